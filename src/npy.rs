@@ -1,0 +1,1 @@
+//! Reading and writing tensors as NumPy `.npy` files (being written).
