@@ -1,0 +1,289 @@
+//! The typed, zero-copy layer: forward pass and gradient over slices, generic in the
+//! element type, writing into buffers the caller owns.
+//!
+//! Every method validates every length before it writes anything, then runs the
+//! [kernel passes](crate::kernels). Nothing here allocates in proportion to `x`.
+
+use crate::element::{Element, Real};
+use crate::error::{Error, Result};
+use crate::kernels::{apply, backward, stats};
+use crate::problem::Problem;
+
+/// Where [`Problem::forward_training`] writes the batch statistics that the gradient
+/// needs (TensorFlow's `reserve_space_1` and `reserve_space_2`).
+#[derive(Debug)]
+pub struct SavedStats<'a, U> {
+    /// Batch mean, `C` elements.
+    pub mean: &'a mut [U],
+    /// Biased batch variance (`Σ(x−μ)²/M`), `C` elements.
+    pub variance: &'a mut [U],
+}
+
+/// Running (moving) statistics updated in place by [`Problem::forward_training`]:
+/// `mean ← (1−f)·mean + f·μ`, `variance ← (1−f)·variance + f·M/(M−1)·σ²`.
+/// With `factor == 1` the old contents are ignored (TensorFlow's `batch_mean` and
+/// `batch_variance` outputs).
+#[derive(Debug)]
+pub struct RunningStats<'a, U> {
+    /// Running mean, `C` elements.
+    pub mean: &'a mut [U],
+    /// Running (Bessel-corrected) variance, `C` elements.
+    pub variance: &'a mut [U],
+    /// `exponential_avg_factor`.
+    pub factor: f32,
+}
+
+/// Where the gradient methods write their results.
+#[derive(Debug)]
+pub struct Gradients<'a, T: Element> {
+    /// `x_backprop`, the length of `x`.
+    pub x: &'a mut [T],
+    /// `scale_backprop`, `C` elements.
+    pub scale: &'a mut [T::Stat],
+    /// `offset_backprop`, `C` elements.
+    pub offset: &'a mut [T::Stat],
+}
+
+fn check_len(arg: &str, len: usize, want: usize, what: &str) -> Result<()> {
+    if len == want {
+        Ok(())
+    } else {
+        Err(Error::arg(
+            arg,
+            format!("{want} elements ({what})"),
+            format!("{len} elements"),
+        ))
+    }
+}
+
+impl Problem {
+    fn check_x(&self, arg: &str, len: usize) -> Result<()> {
+        check_len(arg, len, self.len(), &format!("shape {:?}", self.shape()))
+    }
+
+    fn check_c(&self, arg: &str, len: usize) -> Result<()> {
+        check_len(arg, len, self.channels(), "the channel count of x")
+    }
+
+    /// Forward pass in training mode: normalizes `x` with its own batch statistics.
+    ///
+    /// Writes `y`, the batch mean and biased variance into `saved`, and, when given,
+    /// updates the running statistics. With an empty `x`, every statistic is NaN.
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, Problem, batch_norm::{RunningStats, SavedStats}};
+    /// let p = Problem::new(DataFormat::Nhwc, &[1, 1, 6, 1])?.with_epsilon(0.001);
+    /// let x = [5.0f32, 7.0, 9.0, 11.0, 13.0, 15.0];
+    /// let mut y = [0.0f32; 6];
+    /// let (mut mu, mut var) = ([0.0f32], [0.0f32]);
+    /// let (mut run_mean, mut run_var) = ([6.0f32], [16.0f32]);
+    /// p.forward_training(
+    ///     &x, &[4.0], &[2.0], &mut y,
+    ///     SavedStats { mean: &mut mu, variance: &mut var },
+    ///     Some(RunningStats { mean: &mut run_mean, variance: &mut run_var, factor: 0.5 }),
+    /// )?;
+    /// assert_eq!((mu[0], var[0]), (10.0, 35.0 / 3.0));
+    /// assert_eq!((run_mean[0], run_var[0]), (8.0, 15.0)); // 0.5·6 + 0.5·10, 0.5·16 + 0.5·14
+    /// assert!((y[0] - -3.86).abs() < 0.01);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn forward_training<T: Element>(
+        &self,
+        x: &[T],
+        scale: &[T::Stat],
+        offset: &[T::Stat],
+        y: &mut [T],
+        saved: SavedStats<'_, T::Stat>,
+        running: Option<RunningStats<'_, T::Stat>>,
+    ) -> Result<()> {
+        self.check_x("x", x.len())?;
+        self.check_c("scale", scale.len())?;
+        self.check_c("offset", offset.len())?;
+        if let Some(r) = &running {
+            self.check_c("mean", r.mean.len())?;
+            self.check_c("variance", r.variance.len())?;
+        }
+        self.check_x("y (output)", y.len())?;
+        self.check_c("reserve_space_1 (output)", saved.mean.len())?;
+        self.check_c("reserve_space_2 (output)", saved.variance.len())?;
+
+        let nan = T::Stat::from_f64(f64::NAN);
+        if self.is_empty() {
+            saved.mean.fill(nan);
+            saved.variance.fill(nan);
+            if let Some(r) = running {
+                r.mean.fill(nan);
+                r.variance.fill(nan);
+            }
+            return Ok(());
+        }
+        let g = self.geometry();
+        let moments = stats::channel_moments(g, x);
+        let m = self.elements_per_channel() as f64;
+        let adj = m / (m - 1.0).max(1.0);
+        let eps = f64::from(self.epsilon());
+        let mut a = vec![T::Stat::ZERO; self.channels()];
+        for (c, mo) in moments.iter().enumerate() {
+            let var = mo.variance();
+            saved.mean[c] = T::Stat::from_f64(mo.mean);
+            saved.variance[c] = T::Stat::from_f64(var);
+            a[c] = T::Stat::from_f64(scale[c].to_f64() / (var + eps).sqrt());
+        }
+        if let Some(r) = running {
+            let f = f64::from(r.factor);
+            for (c, mo) in moments.iter().enumerate() {
+                let (mu, var) = (mo.mean, adj * mo.variance());
+                let (mean, variance) = if r.factor == 1.0 {
+                    (mu, var)
+                } else {
+                    (
+                        (1.0 - f) * r.mean[c].to_f64() + f * mu,
+                        (1.0 - f) * r.variance[c].to_f64() + f * var,
+                    )
+                };
+                r.mean[c] = T::Stat::from_f64(mean);
+                r.variance[c] = T::Stat::from_f64(variance);
+            }
+        }
+        apply::affine(g, x, saved.mean, &a, offset, y);
+        Ok(())
+    }
+
+    /// Forward pass in inference mode: normalizes `x` with the given population
+    /// statistics, `y = (x − mean)·scale/√(variance + ε) + offset`.
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, Problem};
+    /// let p = Problem::new(DataFormat::Nchw, &[1, 2, 1, 2])?.with_epsilon(0.0);
+    /// let x = [1.0f32, 3.0, 10.0, 30.0];
+    /// let mut y = [0.0f32; 4];
+    /// p.forward_inference(&x, &[1.0, 2.0], &[0.0, 1.0], &[2.0, 20.0], &[1.0, 100.0], &mut y)?;
+    /// assert_eq!(y, [-1.0, 1.0, -1.0, 3.0]);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn forward_inference<T: Element>(
+        &self,
+        x: &[T],
+        scale: &[T::Stat],
+        offset: &[T::Stat],
+        mean: &[T::Stat],
+        variance: &[T::Stat],
+        y: &mut [T],
+    ) -> Result<()> {
+        self.check_x("x", x.len())?;
+        self.check_c("scale", scale.len())?;
+        self.check_c("offset", offset.len())?;
+        self.check_c("mean", mean.len())?;
+        self.check_c("variance", variance.len())?;
+        self.check_x("y (output)", y.len())?;
+        if self.is_empty() {
+            return Ok(());
+        }
+        let a = self.scale_rsqrt(scale, variance);
+        apply::affine(self.geometry(), x, mean, &a, offset, y);
+        Ok(())
+    }
+
+    /// Gradient in training mode, with the batch statistics saved by
+    /// [`Problem::forward_training`] (`reserve_space_1`, `reserve_space_2`).
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, Problem, batch_norm::Gradients};
+    /// // SPEC §8: one channel of six elements.
+    /// let p = Problem::new(DataFormat::Nhwc, &[1, 1, 6, 1])?.with_epsilon(0.001);
+    /// let dy = [2.0f32, 9.0, -4.0, 5.0, 8.0, 7.0];
+    /// let x = [1.0f32, 7.0, 4.0, -3.0, -11.0, 13.0];
+    /// let (mut dx, mut dscale, mut doffset) = ([0.0f32; 6], [0.0f32], [0.0f32]);
+    /// p.backward_training(&dy, &x, &[4.0], &[11.0 / 6.0], &[57.472_222],
+    ///     Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset })?;
+    /// assert_eq!(doffset[0], 27.0);
+    /// assert!((dscale[0] - -1.6488).abs() < 1e-4);
+    /// assert!((dx[0] - -1.34).abs() < 0.01);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn backward_training<T: Element>(
+        &self,
+        y_backprop: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        saved_mean: &[T::Stat],
+        saved_variance: &[T::Stat],
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        self.backward(y_backprop, x, scale, saved_mean, saved_variance, grads, true)
+    }
+
+    /// Gradient in inference mode, with the population statistics the forward pass
+    /// used: `x_backprop = y_backprop·scale/√(variance + ε)`.
+    pub fn backward_inference<T: Element>(
+        &self,
+        y_backprop: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        mean: &[T::Stat],
+        variance: &[T::Stat],
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        self.backward(y_backprop, x, scale, mean, variance, grads, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward<T: Element>(
+        &self,
+        dy: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        rs1: &[T::Stat],
+        rs2: &[T::Stat],
+        grads: Gradients<'_, T>,
+        is_training: bool,
+    ) -> Result<()> {
+        self.check_x("y_backprop", dy.len())?;
+        self.check_x("x", x.len())?;
+        self.check_c("scale", scale.len())?;
+        self.check_c("reserve_space_1", rs1.len())?;
+        self.check_c("reserve_space_2", rs2.len())?;
+        self.check_x("x_backprop (output)", grads.x.len())?;
+        self.check_c("scale_backprop (output)", grads.scale.len())?;
+        self.check_c("offset_backprop (output)", grads.offset.len())?;
+        if self.is_empty() {
+            grads.scale.fill(T::Stat::ZERO);
+            grads.offset.fill(T::Stat::ZERO);
+            return Ok(());
+        }
+        let g = self.geometry();
+        let sums = backward::reduce(g, dy, x, rs1);
+        let eps = f64::from(self.epsilon());
+        let m = self.elements_per_channel() as f64;
+        let c = self.channels();
+        let zero = T::Stat::ZERO;
+        let (mut k1, mut k2, mut k3) = (vec![zero; c], vec![zero; c], vec![zero; c]);
+        for ch in 0..c {
+            let r = 1.0 / (rs2[ch].to_f64() + eps).sqrt();
+            let (sdy, sdx) = (sums.sum_dy[ch], sums.sum_dy_xc[ch]);
+            let s = scale[ch].to_f64() * r;
+            grads.offset[ch] = T::Stat::from_f64(sdy);
+            grads.scale[ch] = T::Stat::from_f64(r * sdx);
+            k1[ch] = T::Stat::from_f64(s);
+            k2[ch] = T::Stat::from_f64(-s * r * r * sdx / m);
+            k3[ch] = T::Stat::from_f64(-s * sdy / m);
+        }
+        if is_training {
+            backward::apply(g, dy, x, rs1, &k1, &k2, &k3, grads.x);
+        } else {
+            // dx = dy·scale·r: the forward apply pass with no shift and no offset.
+            apply::affine(g, dy, &vec![zero; c], &k1, &vec![zero; c], grads.x);
+        }
+        Ok(())
+    }
+
+    /// `scale·rsqrt(variance + ε)` per channel, computed in `f64`, rounded to `U`.
+    fn scale_rsqrt<U: Real>(&self, scale: &[U], variance: &[U]) -> Vec<U> {
+        let eps = f64::from(self.epsilon());
+        scale
+            .iter()
+            .zip(variance)
+            .map(|(s, v)| U::from_f64(s.to_f64() / (v.to_f64() + eps).sqrt()))
+            .collect()
+    }
+}

@@ -1,0 +1,664 @@
+//! The TensorFlow-op layer: TF's op names, input and output names, attribute defaults,
+//! validation order (SPEC §4) and dtype dispatch, over dynamically typed [`Tensor`]s.
+//!
+//! ```
+//! use fusedbn::{Tensor, ops::{Attrs, Inputs, Op}};
+//! let x = Tensor::new(vec![1, 1, 6, 1], vec![5.0f32, 7.0, 9.0, 11.0, 13.0, 15.0])?;
+//! let (scale, offset) = (Tensor::vector(vec![4.0f32]), Tensor::vector(vec![2.0f32]));
+//! let inputs = Inputs::new().with("x", &x).with("scale", &scale).with("offset", &offset);
+//! let out = Op::FusedBatchNormV3.run(&inputs, &Attrs::new().epsilon(0.001))?;
+//! assert_eq!(out.get("batch_mean").unwrap().as_slice::<f32>(), Some(&[10.0f32][..]));
+//! assert_eq!(out.get("batch_variance").unwrap().as_slice::<f32>(), Some(&[14.0f32][..]));
+//! assert_eq!(out.names().collect::<Vec<_>>(),
+//!            ["y", "batch_mean", "batch_variance", "reserve_space_1", "reserve_space_2", "reserve_space_3"]);
+//! # Ok::<(), fusedbn::Error>(())
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+
+use half::{bf16, f16};
+
+use crate::batch_norm::{Gradients, RunningStats, SavedStats};
+use crate::element::{Element, Real};
+use crate::error::{Error, Result};
+use crate::problem::{check_x_shape, DataFormat, Problem, DEFAULT_EPSILON};
+use crate::tensor::{DType, Tensor};
+
+/// One of TensorFlow's fused batch-norm ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `FusedBatchNorm`: f32 only, 4-D.
+    FusedBatchNorm,
+    /// `FusedBatchNormV2`: `x` in f16, bf16 or f32 with f32 statistics, 4-D.
+    FusedBatchNormV2,
+    /// `FusedBatchNormV3`: as V2, also 5-D; adds `reserve_space_3`.
+    FusedBatchNormV3,
+    /// `FusedBatchNormGrad`: f32 only, 4-D.
+    FusedBatchNormGrad,
+    /// `FusedBatchNormGradV2`: as `FusedBatchNormV2`.
+    FusedBatchNormGradV2,
+    /// `FusedBatchNormGradV3`: as V2, also 5-D; takes `reserve_space_3`.
+    FusedBatchNormGradV3,
+}
+
+const FORWARD_INPUTS: &[&str] = &["x", "scale", "offset", "mean", "variance"];
+const GRAD_INPUTS: &[&str] = &["y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2"];
+const GRAD_V3_INPUTS: &[&str] = &[
+    "y_backprop",
+    "x",
+    "scale",
+    "reserve_space_1",
+    "reserve_space_2",
+    "reserve_space_3",
+];
+const FORWARD_OUTPUTS: &[&str] = &[
+    "y",
+    "batch_mean",
+    "batch_variance",
+    "reserve_space_1",
+    "reserve_space_2",
+];
+const FORWARD_V3_OUTPUTS: &[&str] = &[
+    "y",
+    "batch_mean",
+    "batch_variance",
+    "reserve_space_1",
+    "reserve_space_2",
+    "reserve_space_3",
+];
+const GRAD_OUTPUTS: &[&str] = &[
+    "x_backprop",
+    "scale_backprop",
+    "offset_backprop",
+    "reserve_space_3",
+    "reserve_space_4",
+];
+const GRAD_V3_OUTPUTS: &[&str] = &[
+    "x_backprop",
+    "scale_backprop",
+    "offset_backprop",
+    "reserve_space_4",
+    "reserve_space_5",
+];
+const FORWARD_ATTRS: &[&str] = &["epsilon", "data_format", "is_training", "exponential_avg_factor"];
+const GRAD_ATTRS: &[&str] = &["epsilon", "data_format", "is_training"];
+
+impl Op {
+    /// Every op, forward first.
+    pub const ALL: [Op; 6] = [
+        Op::FusedBatchNorm,
+        Op::FusedBatchNormV2,
+        Op::FusedBatchNormV3,
+        Op::FusedBatchNormGrad,
+        Op::FusedBatchNormGradV2,
+        Op::FusedBatchNormGradV3,
+    ];
+
+    /// TensorFlow's name of the op.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::FusedBatchNorm => "FusedBatchNorm",
+            Op::FusedBatchNormV2 => "FusedBatchNormV2",
+            Op::FusedBatchNormV3 => "FusedBatchNormV3",
+            Op::FusedBatchNormGrad => "FusedBatchNormGrad",
+            Op::FusedBatchNormGradV2 => "FusedBatchNormGradV2",
+            Op::FusedBatchNormGradV3 => "FusedBatchNormGradV3",
+        }
+    }
+
+    /// True for the gradient ops.
+    pub fn is_gradient(self) -> bool {
+        matches!(
+            self,
+            Op::FusedBatchNormGrad | Op::FusedBatchNormGradV2 | Op::FusedBatchNormGradV3
+        )
+    }
+
+    /// 1, 2 or 3.
+    pub fn version(self) -> u8 {
+        match self {
+            Op::FusedBatchNorm | Op::FusedBatchNormGrad => 1,
+            Op::FusedBatchNormV2 | Op::FusedBatchNormGradV2 => 2,
+            Op::FusedBatchNormV3 | Op::FusedBatchNormGradV3 => 3,
+        }
+    }
+
+    /// The op's input names, in TensorFlow's order.
+    pub fn input_names(self) -> &'static [&'static str] {
+        match (self.is_gradient(), self.version()) {
+            (false, _) => FORWARD_INPUTS,
+            (true, 3) => GRAD_V3_INPUTS,
+            (true, _) => GRAD_INPUTS,
+        }
+    }
+
+    /// The op's output names, in TensorFlow's order.
+    pub fn output_names(self) -> &'static [&'static str] {
+        match (self.is_gradient(), self.version()) {
+            (false, 3) => FORWARD_V3_OUTPUTS,
+            (false, _) => FORWARD_OUTPUTS,
+            (true, 3) => GRAD_V3_OUTPUTS,
+            (true, _) => GRAD_OUTPUTS,
+        }
+    }
+
+    /// The op's attribute names.
+    pub fn attr_names(self) -> &'static [&'static str] {
+        if self.is_gradient() {
+            GRAD_ATTRS
+        } else {
+            FORWARD_ATTRS
+        }
+    }
+
+    /// The element types `x` may have (f64 is this library's extension).
+    pub fn dtypes(self) -> &'static [DType] {
+        if self.version() == 1 {
+            &[DType::F32, DType::F64]
+        } else {
+            &[DType::F16, DType::BF16, DType::F32, DType::F64]
+        }
+    }
+
+    /// The data formats the op accepts (5-D formats need V3).
+    pub fn formats(self) -> &'static [DataFormat] {
+        if self.version() == 3 {
+            &DataFormat::ALL
+        } else {
+            &DataFormat::ALL[..2]
+        }
+    }
+
+    /// Runs the op on named inputs.
+    ///
+    /// Inputs the op does not need in the requested mode may be omitted: `mean` and
+    /// `variance` in training with `exponential_avg_factor == 1`, and
+    /// `reserve_space_3` of the V3 gradient (its content is never read).
+    /// Outputs come back under TensorFlow's names, in TensorFlow's order.
+    pub fn run(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+        for (name, _) in &inputs.entries {
+            if !self.input_names().contains(&name.as_str()) {
+                return Err(Error::UnknownInput {
+                    op: self.name().into(),
+                    name: name.clone(),
+                    expected: self.input_names().join(", "),
+                });
+            }
+        }
+        if !self.formats().contains(&attrs.data_format) {
+            return Err(Error::arg(
+                "data_format",
+                format!("NHWC or NCHW for {} (5-D formats need the V3 op)", self.name()),
+                attrs.data_format.as_str(),
+            ));
+        }
+        if self.is_gradient() {
+            self.run_gradient(inputs, attrs)
+        } else {
+            self.run_forward(inputs, attrs)
+        }
+    }
+
+    fn required<'a>(self, inputs: &Inputs<'a>, name: &str, why: &str) -> Result<&'a Tensor> {
+        inputs.get(name).ok_or_else(|| Error::MissingInput {
+            op: self.name().into(),
+            name: name.into(),
+            why: why.into(),
+        })
+    }
+
+    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+        let x = self.required(inputs, "x", "always required")?;
+        let scale = self.required(inputs, "scale", "always required")?;
+        let offset = self.required(inputs, "offset", "always required")?;
+        let needs_stats = !attrs.is_training || attrs.exponential_avg_factor != 1.0;
+        let why = if attrs.is_training {
+            "required when exponential_avg_factor != 1"
+        } else {
+            "required in inference"
+        };
+        let (mean, variance) = if needs_stats {
+            (
+                Some(self.required(inputs, "mean", why)?),
+                Some(self.required(inputs, "variance", why)?),
+            )
+        } else {
+            (inputs.get("mean"), inputs.get("variance"))
+        };
+        // §4 rules 1-2: ranks.
+        check_x_shape("x", attrs.data_format, x.shape())?;
+        check_vector("scale", scale)?;
+        check_vector("offset", offset)?;
+        for (name, t) in [("mean", mean), ("variance", variance)] {
+            if let Some(t) = t {
+                check_vector(name, t)?;
+            }
+        }
+        // Rules 3-4: sizes.
+        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let c = problem.channels();
+        check_channels("scale", scale, c)?;
+        check_channels("offset", offset, c)?;
+        if needs_stats {
+            for (name, t) in [("mean", mean), ("variance", variance)] {
+                if let Some(t) = t {
+                    check_channels_because(name, t, c, why)?;
+                }
+            }
+        }
+        // Rule 7: element types.
+        self.check_dtype("x", x)?;
+        let u = stat_dtype(x.dtype());
+        for (name, t) in [("scale", Some(scale)), ("offset", Some(offset)), ("mean", mean), ("variance", variance)] {
+            if let Some(t) = t {
+                check_stat_dtype(name, t, u)?;
+            }
+        }
+        let stats = if needs_stats { mean.zip(variance) } else { None };
+        let mut out = match x.dtype() {
+            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, attrs)?,
+            DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, attrs)?,
+            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, attrs)?,
+            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, attrs)?,
+        };
+        if self.version() == 3 {
+            out.push(Tensor::empty(u));
+        }
+        Ok(Outputs::new(self, out))
+    }
+
+    fn run_gradient(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+        let dy = self.required(inputs, "y_backprop", "always required")?;
+        let x = self.required(inputs, "x", "always required")?;
+        let scale = self.required(inputs, "scale", "always required")?;
+        let rs1 = self.required(inputs, "reserve_space_1", "always required")?;
+        let rs2 = self.required(inputs, "reserve_space_2", "always required")?;
+        let rs3 = inputs.get("reserve_space_3");
+        // §4 rules 1-2: ranks.
+        check_x_shape("y_backprop", attrs.data_format, dy.shape())?;
+        check_x_shape("x", attrs.data_format, x.shape())?;
+        check_vector("scale", scale)?;
+        check_vector("reserve_space_1", rs1)?;
+        check_vector("reserve_space_2", rs2)?;
+        if let Some(t) = rs3 {
+            // TensorFlow's CPU V3 forward returns a rank-0 reserve_space_3; accept it.
+            if t.rank() > 1 {
+                return Err(Error::arg(
+                    "reserve_space_3",
+                    "a 1-D tensor (or TensorFlow's scalar placeholder)",
+                    format!("shape {:?}", t.shape()),
+                ));
+            }
+        }
+        // Rules 3 and 5: sizes.
+        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let c = problem.channels();
+        check_channels("scale", scale, c)?;
+        if dy.shape() != x.shape() {
+            return Err(Error::arg(
+                "y_backprop",
+                format!("the shape of x, {:?}", x.shape()),
+                format!("shape {:?}", dy.shape()),
+            ));
+        }
+        check_channels("reserve_space_1", rs1, c)?;
+        check_channels("reserve_space_2", rs2, c)?;
+        // Rule 7: element types.
+        self.check_dtype("y_backprop", dy)?;
+        if x.dtype() != dy.dtype() {
+            return Err(Error::arg(
+                "x",
+                format!("the element type of y_backprop ({})", dy.dtype()),
+                x.dtype().to_string(),
+            ));
+        }
+        let u = stat_dtype(x.dtype());
+        for (name, t) in [("scale", Some(scale)), ("reserve_space_1", Some(rs1)), ("reserve_space_2", Some(rs2)), ("reserve_space_3", rs3)] {
+            if let Some(t) = t {
+                check_stat_dtype(name, t, u)?;
+            }
+        }
+        let mut out = match x.dtype() {
+            DType::F16 => gradient::<f16>(&problem, dy, x, scale, rs1, rs2, attrs)?,
+            DType::BF16 => gradient::<bf16>(&problem, dy, x, scale, rs1, rs2, attrs)?,
+            DType::F32 => gradient::<f32>(&problem, dy, x, scale, rs1, rs2, attrs)?,
+            DType::F64 => gradient::<f64>(&problem, dy, x, scale, rs1, rs2, attrs)?,
+        };
+        out.push(Tensor::empty(u));
+        out.push(Tensor::empty(u));
+        Ok(Outputs::new(self, out))
+    }
+
+    fn check_dtype(self, arg: &str, t: &Tensor) -> Result<()> {
+        if self.dtypes().contains(&t.dtype()) {
+            return Ok(());
+        }
+        let names: Vec<String> = self.dtypes().iter().map(|d| d.to_string()).collect();
+        let hint = if self.version() == 1 { " (half types need the V2 or V3 op)" } else { "" };
+        Err(Error::arg(
+            arg,
+            format!("element type {} for {}{hint}", names.join(", "), self.name()),
+            t.dtype().to_string(),
+        ))
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Op {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Op::ALL
+            .into_iter()
+            .find(|op| op.name() == s)
+            .ok_or_else(|| Error::UnknownOp {
+                found: s.to_string(),
+                expected: Op::ALL.map(Op::name).join(", "),
+            })
+    }
+}
+
+/// The statistics type `U` for data of type `t`.
+fn stat_dtype(t: DType) -> DType {
+    if t == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn check_vector(arg: &str, t: &Tensor) -> Result<()> {
+    if t.rank() == 1 {
+        Ok(())
+    } else {
+        Err(Error::arg(arg, "a 1-D tensor", format!("shape {:?}", t.shape())))
+    }
+}
+
+fn check_channels(arg: &str, t: &Tensor, c: usize) -> Result<()> {
+    check_channels_because(arg, t, c, "")
+}
+
+fn check_channels_because(arg: &str, t: &Tensor, c: usize, why: &str) -> Result<()> {
+    if t.numel() == c {
+        return Ok(());
+    }
+    let why = if why.is_empty() { String::new() } else { format!(", {why}") };
+    Err(Error::arg(
+        arg,
+        format!("{c} elements (the channel count of x{why})"),
+        format!("shape {:?}", t.shape()),
+    ))
+}
+
+fn check_stat_dtype(arg: &str, t: &Tensor, u: DType) -> Result<()> {
+    if t.dtype() == u {
+        Ok(())
+    } else {
+        Err(Error::arg(
+            arg,
+            format!("element type {u} (the statistics type for this x)"),
+            t.dtype().to_string(),
+        ))
+    }
+}
+
+/// Borrows `t` as `T`; the dtype has been checked by the caller.
+fn typed<T: Element>(t: &Tensor) -> Result<&[T]> {
+    t.as_slice::<T>().ok_or_else(|| Error::arg("tensor", T::DTYPE.to_string(), t.dtype().to_string()))
+}
+
+fn forward<T: Element>(
+    p: &Problem,
+    x: &Tensor,
+    scale: &Tensor,
+    offset: &Tensor,
+    stats: Option<(&Tensor, &Tensor)>,
+    attrs: &Attrs,
+) -> Result<Vec<Tensor>> {
+    let c = p.channels();
+    let zero = T::Stat::ZERO;
+    let (xs, scale, offset) = (typed::<T>(x)?, typed::<T::Stat>(scale)?, typed::<T::Stat>(offset)?);
+    let mut y = vec![T::default(); xs.len()];
+    let (mut batch_mean, mut batch_var) = (vec![zero; c], vec![zero; c]);
+    let (mut rs1, mut rs2) = (vec![zero; c], vec![zero; c]);
+    if attrs.is_training {
+        if let Some((m, v)) = stats {
+            batch_mean.copy_from_slice(typed::<T::Stat>(m)?);
+            batch_var.copy_from_slice(typed::<T::Stat>(v)?);
+        }
+        p.forward_training(
+            xs,
+            scale,
+            offset,
+            &mut y,
+            SavedStats { mean: &mut rs1, variance: &mut rs2 },
+            Some(RunningStats {
+                mean: &mut batch_mean,
+                variance: &mut batch_var,
+                factor: attrs.exponential_avg_factor,
+            }),
+        )?;
+    } else {
+        let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
+        let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
+        p.forward_inference(xs, scale, offset, m, v, &mut y)?;
+        if p.is_empty() {
+            let nan = T::Stat::from_f64(f64::NAN);
+            batch_mean.fill(nan);
+            batch_var.fill(nan);
+        } else {
+            batch_mean.copy_from_slice(m);
+            batch_var.copy_from_slice(v);
+        }
+        rs1.copy_from_slice(&batch_mean);
+        rs2.copy_from_slice(&batch_var);
+    }
+    Ok(vec![
+        Tensor::new(x.shape().to_vec(), y)?,
+        Tensor::vector(batch_mean),
+        Tensor::vector(batch_var),
+        Tensor::vector(rs1),
+        Tensor::vector(rs2),
+    ])
+}
+
+fn gradient<T: Element>(
+    p: &Problem,
+    dy: &Tensor,
+    x: &Tensor,
+    scale: &Tensor,
+    rs1: &Tensor,
+    rs2: &Tensor,
+    attrs: &Attrs,
+) -> Result<Vec<Tensor>> {
+    let c = p.channels();
+    let (dys, xs) = (typed::<T>(dy)?, typed::<T>(x)?);
+    let (scale, rs1, rs2) = (typed::<T::Stat>(scale)?, typed::<T::Stat>(rs1)?, typed::<T::Stat>(rs2)?);
+    let mut dx = vec![T::default(); xs.len()];
+    let (mut dscale, mut doffset) = (vec![T::Stat::ZERO; c], vec![T::Stat::ZERO; c]);
+    let grads = Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset };
+    if attrs.is_training {
+        p.backward_training(dys, xs, scale, rs1, rs2, grads)?;
+    } else {
+        p.backward_inference(dys, xs, scale, rs1, rs2, grads)?;
+    }
+    Ok(vec![
+        Tensor::new(x.shape().to_vec(), dx)?,
+        Tensor::vector(dscale),
+        Tensor::vector(doffset),
+    ])
+}
+
+/// The ops' attributes, with TensorFlow's defaults; built with chained setters.
+///
+/// ```
+/// use fusedbn::{DataFormat, ops::Attrs};
+/// let a = Attrs::new().epsilon(1e-3).data_format(DataFormat::Nchw).is_training(false);
+/// assert_eq!(a.exponential_avg_factor, 1.0);
+/// let mut b = Attrs::default();
+/// b.set("data_format", "NCHW")?;
+/// b.set("epsilon", "0.001")?;
+/// b.set("is_training", "false")?;
+/// assert_eq!(a, b);
+/// assert!(b.set("is_training", "yes").is_err());
+/// # Ok::<(), fusedbn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attrs {
+    /// Added to the variance before the reciprocal square root (default 1e-4).
+    pub epsilon: f32,
+    /// Layout of `x` (default NHWC).
+    pub data_format: DataFormat,
+    /// Training (batch statistics) or inference (given statistics); default true.
+    pub is_training: bool,
+    /// Weight of the batch statistics in the running averages (default 1: replace).
+    /// Forward ops only.
+    pub exponential_avg_factor: f32,
+}
+
+impl Default for Attrs {
+    fn default() -> Self {
+        Attrs {
+            epsilon: DEFAULT_EPSILON,
+            data_format: DataFormat::Nhwc,
+            is_training: true,
+            exponential_avg_factor: 1.0,
+        }
+    }
+}
+
+impl Attrs {
+    /// TensorFlow's defaults: epsilon 1e-4, NHWC, training, factor 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets `epsilon`.
+    pub fn epsilon(mut self, v: f32) -> Self {
+        self.epsilon = v;
+        self
+    }
+
+    /// Sets `data_format`.
+    pub fn data_format(mut self, v: DataFormat) -> Self {
+        self.data_format = v;
+        self
+    }
+
+    /// Sets `is_training`.
+    pub fn is_training(mut self, v: bool) -> Self {
+        self.is_training = v;
+        self
+    }
+
+    /// Sets `exponential_avg_factor`.
+    pub fn exponential_avg_factor(mut self, v: f32) -> Self {
+        self.exponential_avg_factor = v;
+        self
+    }
+
+    /// Sets an attribute from its TensorFlow name and a string value
+    /// (`is_training` takes `true`/`false`, numbers are decimal).
+    pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        let bad = |expected: &str| Error::InvalidAttr {
+            name: name.into(),
+            expected: expected.into(),
+            found: value.into(),
+        };
+        match name {
+            "epsilon" => self.epsilon = value.parse().map_err(|_| bad("a number"))?,
+            "exponential_avg_factor" => {
+                self.exponential_avg_factor = value.parse().map_err(|_| bad("a number"))?
+            }
+            "is_training" => {
+                self.is_training = match value {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad("true or false")),
+                }
+            }
+            "data_format" => {
+                self.data_format = value.parse().map_err(|_| bad("one of NHWC, NCHW, NDHWC, NCDHW"))?
+            }
+            _ => {
+                return Err(Error::InvalidAttr {
+                    name: name.into(),
+                    expected: format!("an attribute name: {}", FORWARD_ATTRS.join(", ")),
+                    found: value.into(),
+                })
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Named input tensors, borrowed.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs<'a> {
+    entries: Vec<(String, &'a Tensor)>,
+}
+
+impl<'a> Inputs<'a> {
+    /// No inputs.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) the input `name`.
+    pub fn with(mut self, name: &str, t: &'a Tensor) -> Self {
+        self.insert(name, t);
+        self
+    }
+
+    /// Adds (or replaces) the input `name`.
+    pub fn insert(&mut self, name: &str, t: &'a Tensor) {
+        self.entries.retain(|(n, _)| n != name);
+        self.entries.push((name.to_string(), t));
+    }
+
+    /// The input `name`, if given.
+    pub fn get(&self, name: &str) -> Option<&'a Tensor> {
+        self.entries.iter().find(|(n, _)| n == name).map(|(_, t)| *t)
+    }
+}
+
+/// An op's outputs, under TensorFlow's names and in TensorFlow's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outputs {
+    entries: Vec<(&'static str, Tensor)>,
+}
+
+impl Outputs {
+    fn new(op: Op, tensors: Vec<Tensor>) -> Self {
+        debug_assert_eq!(tensors.len(), op.output_names().len());
+        Outputs {
+            entries: op.output_names().iter().copied().zip(tensors).collect(),
+        }
+    }
+
+    /// The output `name`.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.entries.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
+    }
+
+    /// The output names, in order.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.entries.iter().map(|(n, _)| *n)
+    }
+
+    /// `(name, tensor)` pairs, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &Tensor)> {
+        self.entries.iter().map(|(n, t)| (*n, t))
+    }
+
+    /// Consumes the outputs, returning `(name, tensor)` pairs in order.
+    pub fn into_vec(self) -> Vec<(&'static str, Tensor)> {
+        self.entries
+    }
+}

@@ -1,0 +1,172 @@
+//! The test oracle: every op in `f64` with obvious loops, straight from SPEC §3 and §5.
+//!
+//! Nothing here is fast or clever; it exists so that the optimized kernels can be
+//! checked against something a reader can verify in five minutes. Inputs are `f64`
+//! (widen half data first: widening is exact); outputs are unrounded `f64`.
+
+use crate::problem::DataFormat;
+
+/// The channel of every element of `x`, in storage order.
+fn channels(format: DataFormat, shape: &[usize]) -> impl Iterator<Item = usize> {
+    let axis = format.channel_axis();
+    let c = shape[axis];
+    let stride: usize = shape[axis + 1..].iter().product();
+    let n: usize = shape.iter().product();
+    (0..n).map(move |i| (i / stride) % c)
+}
+
+/// Outputs of a forward op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Forward {
+    /// `y`, same layout as `x`.
+    pub y: Vec<f64>,
+    /// Output `batch_mean`.
+    pub batch_mean: Vec<f64>,
+    /// Output `batch_variance`.
+    pub batch_variance: Vec<f64>,
+    /// `reserve_space_1`.
+    pub reserve_space_1: Vec<f64>,
+    /// `reserve_space_2`.
+    pub reserve_space_2: Vec<f64>,
+}
+
+/// Outputs of a gradient op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Backward {
+    /// `x_backprop`, same layout as `x`.
+    pub x_backprop: Vec<f64>,
+    /// `scale_backprop`.
+    pub scale_backprop: Vec<f64>,
+    /// `offset_backprop`.
+    pub offset_backprop: Vec<f64>,
+}
+
+/// Forward pass in training mode. `mean`/`variance` are only read when `factor != 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_training(
+    format: DataFormat,
+    shape: &[usize],
+    x: &[f64],
+    scale: &[f64],
+    offset: &[f64],
+    mean: &[f64],
+    variance: &[f64],
+    epsilon: f64,
+    factor: f64,
+) -> Forward {
+    let c = shape[format.channel_axis()];
+    let m = x.len() / c.max(1);
+    let mut sum = vec![0.0; c];
+    for (ch, v) in channels(format, shape).zip(x) {
+        sum[ch] += v;
+    }
+    let mu: Vec<f64> = sum.iter().map(|s| s / m as f64).collect();
+    let mut sq = vec![0.0; c];
+    for (ch, v) in channels(format, shape).zip(x) {
+        sq[ch] += (v - mu[ch]) * (v - mu[ch]);
+    }
+    let var: Vec<f64> = sq.iter().map(|s| s / m as f64).collect();
+    let y = channels(format, shape)
+        .zip(x)
+        .map(|(ch, v)| (v - mu[ch]) * (scale[ch] / (var[ch] + epsilon).sqrt()) + offset[ch])
+        .collect();
+    let adj = m as f64 / (m as f64 - 1.0).max(1.0);
+    let (batch_mean, batch_variance) = if x.is_empty() {
+        (vec![f64::NAN; c], vec![f64::NAN; c])
+    } else if factor == 1.0 {
+        (mu.clone(), var.iter().map(|v| adj * v).collect())
+    } else {
+        (
+            (0..c).map(|i| (1.0 - factor) * mean[i] + factor * mu[i]).collect(),
+            (0..c)
+                .map(|i| (1.0 - factor) * variance[i] + factor * adj * var[i])
+                .collect(),
+        )
+    };
+    Forward {
+        y,
+        batch_mean,
+        batch_variance,
+        reserve_space_1: mu,
+        reserve_space_2: var,
+    }
+}
+
+/// Forward pass in inference mode with population statistics `mean`/`variance`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_inference(
+    format: DataFormat,
+    shape: &[usize],
+    x: &[f64],
+    scale: &[f64],
+    offset: &[f64],
+    mean: &[f64],
+    variance: &[f64],
+    epsilon: f64,
+) -> Forward {
+    let c = shape[format.channel_axis()];
+    let y = channels(format, shape)
+        .zip(x)
+        .map(|(ch, v)| (v - mean[ch]) * (scale[ch] / (variance[ch] + epsilon).sqrt()) + offset[ch])
+        .collect();
+    let (batch_mean, batch_variance) = if x.is_empty() {
+        (vec![f64::NAN; c], vec![f64::NAN; c])
+    } else {
+        (mean.to_vec(), variance.to_vec())
+    };
+    Forward {
+        y,
+        reserve_space_1: batch_mean.clone(),
+        reserve_space_2: batch_variance.clone(),
+        batch_mean,
+        batch_variance,
+    }
+}
+
+/// Gradient. `rs1`/`rs2` are the batch mean and biased variance in training, the
+/// population mean and variance in inference.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    format: DataFormat,
+    shape: &[usize],
+    dy: &[f64],
+    x: &[f64],
+    scale: &[f64],
+    rs1: &[f64],
+    rs2: &[f64],
+    epsilon: f64,
+    is_training: bool,
+) -> Backward {
+    let c = shape[format.channel_axis()];
+    let m = x.len() / c.max(1);
+    let r: Vec<f64> = rs2.iter().map(|v| 1.0 / (v + epsilon).sqrt()).collect();
+    let (mut sum_dy, mut sum_dy_xc) = (vec![0.0; c], vec![0.0; c]);
+    for ((ch, d), v) in channels(format, shape).zip(dy).zip(x) {
+        sum_dy[ch] += d;
+        sum_dy_xc[ch] += d * (v - rs1[ch]);
+    }
+    let x_backprop = channels(format, shape)
+        .zip(dy)
+        .zip(x)
+        .map(|((ch, d), v)| {
+            if is_training {
+                let xc = v - rs1[ch];
+                scale[ch]
+                    * r[ch]
+                    * (d - sum_dy[ch] / m as f64 - xc * r[ch] * r[ch] * sum_dy_xc[ch] / m as f64)
+            } else {
+                d * scale[ch] * r[ch]
+            }
+        })
+        .collect();
+    let scale_backprop = if x.is_empty() {
+        vec![0.0; c]
+    } else {
+        (0..c).map(|i| r[i] * sum_dy_xc[i]).collect()
+    };
+    Backward {
+        x_backprop,
+        scale_backprop,
+        offset_backprop: sum_dy,
+    }
+}
