@@ -1,0 +1,113 @@
+//! Shared by the fixture tests of the library and of the binary: loading the golden
+//! TensorFlow fixtures under `tests/fixtures/` and comparing outputs with tolerances.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use fusedbn::ops::{Attrs, Op};
+use fusedbn::{DType, Tensor};
+
+/// One fixture: an op, its attributes, input files and expected output files.
+pub struct Case {
+    pub name: String,
+    pub op: Op,
+    pub attrs: Attrs,
+    /// Every attribute as `(name, value)` strings, as the CLI takes them.
+    pub attr_strings: Vec<(String, String)>,
+    pub inputs: Vec<(String, PathBuf)>,
+    pub expected: Vec<(String, PathBuf)>,
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    // The library crate is the workspace root; the CLI crate is one level below it.
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = if here.join("tests/fixtures").is_dir() { here.to_path_buf() } else { here.join("..") };
+    root.join("tests/fixtures")
+}
+
+/// Every fixture, sorted by name.
+pub fn cases() -> Vec<Case> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures exists")
+        .map(|e| e.expect("readable dir entry").path())
+        .filter(|p| p.join("case.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 100, "expected the committed fixtures, found {}", dirs.len());
+    dirs.iter().map(|d| load(d)).collect()
+}
+
+fn load(dir: &Path) -> Case {
+    let text = std::fs::read_to_string(dir.join("case.json")).expect("case.json");
+    let j: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let op: Op = j["op"].as_str().expect("op").parse().expect("known op");
+    let mut attrs = Attrs::new();
+    let mut attr_strings = Vec::new();
+    for (k, v) in j["attrs"].as_object().expect("attrs") {
+        let s = match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        attrs.set(k, &s).expect("valid attr");
+        attr_strings.push((k.clone(), s));
+    }
+    let list = |key: &str, sub: &str| -> Vec<(String, PathBuf)> {
+        j[key]
+            .as_array()
+            .expect("list")
+            .iter()
+            .map(|n| {
+                let n = n.as_str().expect("name").to_string();
+                let p = dir.join(sub).join(format!("{n}.npy"));
+                (n, p)
+            })
+            .collect()
+    };
+    Case {
+        name: dir.file_name().unwrap().to_string_lossy().into_owned(),
+        op,
+        attrs,
+        attr_strings,
+        inputs: list("inputs", "inputs"),
+        expected: list("expected", "expected"),
+    }
+}
+
+/// Machine epsilon of a data type (half the spacing of values in [1, 2)).
+pub fn eps(d: DType) -> f64 {
+    match d {
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        DType::F32 => 2f64.powi(-24),
+        DType::F64 => 2f64.powi(-53),
+    }
+}
+
+/// Checks `got` against TensorFlow's `expected`: same dtype and shape, NaN where
+/// TensorFlow has NaN, and every element within
+/// `rel·max|expected| + 2·eps(T)·|expected|` where `rel` is 1e-4 for f32 data
+/// (SPEC §7) — so half outputs may differ from TF's by one rounding of T.
+pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String> {
+    if got.dtype() != expected.dtype() {
+        return Err(format!("{what}: dtype {} != expected {}", got.dtype(), expected.dtype()));
+    }
+    if got.shape() != expected.shape() {
+        return Err(format!("{what}: shape {:?} != expected {:?}", got.shape(), expected.shape()));
+    }
+    let (g, e) = (got.to_f64_vec(), expected.to_f64_vec());
+    let scale = e.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs()));
+    let ulp = 2.0 * eps(got.dtype());
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        if b.is_nan() {
+            if !a.is_nan() {
+                return Err(format!("{what}[{i}]: got {a}, expected NaN"));
+            }
+            continue;
+        }
+        let tol = 1e-4 * scale + ulp * b.abs().max(a.abs());
+        if !((a - b).abs() <= tol) {
+            return Err(format!("{what}[{i}]: got {a}, expected {b} (tolerance {tol:.3e})"));
+        }
+    }
+    Ok(())
+}
