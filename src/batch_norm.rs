@@ -210,7 +210,15 @@ impl Problem {
         saved_variance: &[T::Stat],
         grads: Gradients<'_, T>,
     ) -> Result<()> {
-        self.backward(y_backprop, x, scale, saved_mean, saved_variance, grads, true)
+        self.backward(
+            y_backprop,
+            x,
+            scale,
+            saved_mean,
+            saved_variance,
+            grads,
+            true,
+        )
     }
 
     /// Gradient in inference mode, with the population statistics the forward pass
@@ -257,7 +265,7 @@ impl Problem {
         let m = self.elements_per_channel() as f64;
         let c = self.channels();
         let zero = T::Stat::ZERO;
-        let (mut k1, mut k2, mut k3) = (vec![zero; c], vec![zero; c], vec![zero; c]);
+        let (mut k1, mut k2, mut dy_mean) = (vec![zero; c], vec![zero; c], vec![zero; c]);
         for ch in 0..c {
             let r = 1.0 / (rs2[ch].to_f64() + eps).sqrt();
             let (sdy, sdx) = (sums.sum_dy[ch], sums.sum_dy_xc[ch]);
@@ -266,10 +274,10 @@ impl Problem {
             grads.scale[ch] = T::Stat::from_f64(r * sdx);
             k1[ch] = T::Stat::from_f64(s);
             k2[ch] = T::Stat::from_f64(-s * r * r * sdx / m);
-            k3[ch] = T::Stat::from_f64(-s * sdy / m);
+            dy_mean[ch] = T::Stat::from_f64(sdy / m);
         }
         if is_training {
-            backward::apply(g, dy, x, rs1, &k1, &k2, &k3, grads.x);
+            backward::apply(g, dy, x, &dy_mean, rs1, &k1, &k2, grads.x);
         } else {
             // dx = dy·scale·r: the forward apply pass with no shift and no offset.
             apply::affine(g, dy, &vec![zero; c], &k1, &vec![zero; c], grads.x);

@@ -41,7 +41,9 @@ pub trait Real:
 /// A tensor element type: `f32`, `f16`, `bf16` (statistics in `f32`) or `f64`.
 ///
 /// This trait is sealed; the four implementations are the only ones.
-pub trait Element: Copy + Default + Debug + PartialEq + Send + Sync + 'static + sealed::Sealed {
+pub trait Element:
+    Copy + Default + Debug + PartialEq + Send + Sync + 'static + sealed::Sealed
+{
     /// The statistics type `U` that goes with this element type.
     type Stat: Real;
     /// The run-time tag of this type.
@@ -132,9 +134,15 @@ mod tests {
         // 1 + 2^-11 is exactly halfway between two f16 values: ties go to even (1.0).
         assert_eq!(f16::narrow(1.0 + 2f32.powi(-11)), f16::from_f32(1.0));
         // 1 + 3 * 2^-11 is halfway between 1+2^-10 and 1+2^-9: ties go to even (1+2^-9).
-        assert_eq!(f16::narrow(1.0 + 3.0 * 2f32.powi(-11)).to_f32(), 1.0 + 2f32.powi(-9));
+        assert_eq!(
+            f16::narrow(1.0 + 3.0 * 2f32.powi(-11)).to_f32(),
+            1.0 + 2f32.powi(-9)
+        );
         // bf16 has 8 mantissa bits: 1 + 2^-8 is halfway, goes to 1.0.
         assert_eq!(bf16::narrow(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
-        assert_eq!(bf16::narrow(1.0 + 3.0 * 2f32.powi(-8)).to_f32(), 1.0 + 2f32.powi(-6));
+        assert_eq!(
+            bf16::narrow(1.0 + 3.0 * 2f32.powi(-8)).to_f32(),
+            1.0 + 2f32.powi(-6)
+        );
     }
 }

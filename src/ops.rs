@@ -43,7 +43,13 @@ pub enum Op {
 }
 
 const FORWARD_INPUTS: &[&str] = &["x", "scale", "offset", "mean", "variance"];
-const GRAD_INPUTS: &[&str] = &["y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2"];
+const GRAD_INPUTS: &[&str] = &[
+    "y_backprop",
+    "x",
+    "scale",
+    "reserve_space_1",
+    "reserve_space_2",
+];
 const GRAD_V3_INPUTS: &[&str] = &[
     "y_backprop",
     "x",
@@ -81,7 +87,12 @@ const GRAD_V3_OUTPUTS: &[&str] = &[
     "reserve_space_4",
     "reserve_space_5",
 ];
-const FORWARD_ATTRS: &[&str] = &["epsilon", "data_format", "is_training", "exponential_avg_factor"];
+const FORWARD_ATTRS: &[&str] = &[
+    "epsilon",
+    "data_format",
+    "is_training",
+    "exponential_avg_factor",
+];
 const GRAD_ATTRS: &[&str] = &["epsilon", "data_format", "is_training"];
 
 impl Op {
@@ -189,7 +200,10 @@ impl Op {
         if !self.formats().contains(&attrs.data_format) {
             return Err(Error::arg(
                 "data_format",
-                format!("NHWC or NCHW for {} (5-D formats need the V3 op)", self.name()),
+                format!(
+                    "NHWC or NCHW for {} (5-D formats need the V3 op)",
+                    self.name()
+                ),
                 attrs.data_format.as_str(),
             ));
         }
@@ -250,12 +264,21 @@ impl Op {
         // Rule 7: element types.
         self.check_dtype("x", x)?;
         let u = stat_dtype(x.dtype());
-        for (name, t) in [("scale", Some(scale)), ("offset", Some(offset)), ("mean", mean), ("variance", variance)] {
+        for (name, t) in [
+            ("scale", Some(scale)),
+            ("offset", Some(offset)),
+            ("mean", mean),
+            ("variance", variance),
+        ] {
             if let Some(t) = t {
                 check_stat_dtype(name, t, u)?;
             }
         }
-        let stats = if needs_stats { mean.zip(variance) } else { None };
+        let stats = if needs_stats {
+            mean.zip(variance)
+        } else {
+            None
+        };
         let mut out = match x.dtype() {
             DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, attrs)?,
             DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, attrs)?,
@@ -314,7 +337,12 @@ impl Op {
             ));
         }
         let u = stat_dtype(x.dtype());
-        for (name, t) in [("scale", Some(scale)), ("reserve_space_1", Some(rs1)), ("reserve_space_2", Some(rs2)), ("reserve_space_3", rs3)] {
+        for (name, t) in [
+            ("scale", Some(scale)),
+            ("reserve_space_1", Some(rs1)),
+            ("reserve_space_2", Some(rs2)),
+            ("reserve_space_3", rs3),
+        ] {
             if let Some(t) = t {
                 check_stat_dtype(name, t, u)?;
             }
@@ -335,10 +363,18 @@ impl Op {
             return Ok(());
         }
         let names: Vec<String> = self.dtypes().iter().map(|d| d.to_string()).collect();
-        let hint = if self.version() == 1 { " (half types need the V2 or V3 op)" } else { "" };
+        let hint = if self.version() == 1 {
+            " (half types need the V2 or V3 op)"
+        } else {
+            ""
+        };
         Err(Error::arg(
             arg,
-            format!("element type {} for {}{hint}", names.join(", "), self.name()),
+            format!(
+                "element type {} for {}{hint}",
+                names.join(", "),
+                self.name()
+            ),
             t.dtype().to_string(),
         ))
     }
@@ -376,7 +412,11 @@ fn check_vector(arg: &str, t: &Tensor) -> Result<()> {
     if t.rank() == 1 {
         Ok(())
     } else {
-        Err(Error::arg(arg, "a 1-D tensor", format!("shape {:?}", t.shape())))
+        Err(Error::arg(
+            arg,
+            "a 1-D tensor",
+            format!("shape {:?}", t.shape()),
+        ))
     }
 }
 
@@ -388,7 +428,11 @@ fn check_channels_because(arg: &str, t: &Tensor, c: usize, why: &str) -> Result<
     if t.numel() == c {
         return Ok(());
     }
-    let why = if why.is_empty() { String::new() } else { format!(", {why}") };
+    let why = if why.is_empty() {
+        String::new()
+    } else {
+        format!(", {why}")
+    };
     Err(Error::arg(
         arg,
         format!("{c} elements (the channel count of x{why})"),
@@ -410,7 +454,8 @@ fn check_stat_dtype(arg: &str, t: &Tensor, u: DType) -> Result<()> {
 
 /// Borrows `t` as `T`; the dtype has been checked by the caller.
 fn typed<T: Element>(t: &Tensor) -> Result<&[T]> {
-    t.as_slice::<T>().ok_or_else(|| Error::arg("tensor", T::DTYPE.to_string(), t.dtype().to_string()))
+    t.as_slice::<T>()
+        .ok_or_else(|| Error::arg("tensor", T::DTYPE.to_string(), t.dtype().to_string()))
 }
 
 fn forward<T: Element>(
@@ -423,7 +468,11 @@ fn forward<T: Element>(
 ) -> Result<Vec<Tensor>> {
     let c = p.channels();
     let zero = T::Stat::ZERO;
-    let (xs, scale, offset) = (typed::<T>(x)?, typed::<T::Stat>(scale)?, typed::<T::Stat>(offset)?);
+    let (xs, scale, offset) = (
+        typed::<T>(x)?,
+        typed::<T::Stat>(scale)?,
+        typed::<T::Stat>(offset)?,
+    );
     let mut y = vec![T::default(); xs.len()];
     let (mut batch_mean, mut batch_var) = (vec![zero; c], vec![zero; c]);
     let (mut rs1, mut rs2) = (vec![zero; c], vec![zero; c]);
@@ -437,7 +486,10 @@ fn forward<T: Element>(
             scale,
             offset,
             &mut y,
-            SavedStats { mean: &mut rs1, variance: &mut rs2 },
+            SavedStats {
+                mean: &mut rs1,
+                variance: &mut rs2,
+            },
             Some(RunningStats {
                 mean: &mut batch_mean,
                 variance: &mut batch_var,
@@ -479,10 +531,18 @@ fn gradient<T: Element>(
 ) -> Result<Vec<Tensor>> {
     let c = p.channels();
     let (dys, xs) = (typed::<T>(dy)?, typed::<T>(x)?);
-    let (scale, rs1, rs2) = (typed::<T::Stat>(scale)?, typed::<T::Stat>(rs1)?, typed::<T::Stat>(rs2)?);
+    let (scale, rs1, rs2) = (
+        typed::<T::Stat>(scale)?,
+        typed::<T::Stat>(rs1)?,
+        typed::<T::Stat>(rs2)?,
+    );
     let mut dx = vec![T::default(); xs.len()];
     let (mut dscale, mut doffset) = (vec![T::Stat::ZERO; c], vec![T::Stat::ZERO; c]);
-    let grads = Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset };
+    let grads = Gradients {
+        x: &mut dx,
+        scale: &mut dscale,
+        offset: &mut doffset,
+    };
     if attrs.is_training {
         p.backward_training(dys, xs, scale, rs1, rs2, grads)?;
     } else {
@@ -584,7 +644,9 @@ impl Attrs {
                 }
             }
             "data_format" => {
-                self.data_format = value.parse().map_err(|_| bad("one of NHWC, NCHW, NDHWC, NCDHW"))?
+                self.data_format = value
+                    .parse()
+                    .map_err(|_| bad("one of NHWC, NCHW, NDHWC, NCDHW"))?
             }
             _ => {
                 return Err(Error::InvalidAttr {
@@ -624,7 +686,10 @@ impl<'a> Inputs<'a> {
 
     /// The input `name`, if given.
     pub fn get(&self, name: &str) -> Option<&'a Tensor> {
-        self.entries.iter().find(|(n, _)| n == name).map(|(_, t)| *t)
+        self.entries
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| *t)
     }
 }
 
@@ -644,7 +709,10 @@ impl Outputs {
 
     /// The output `name`.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.entries.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
+        self.entries
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, t)| t)
     }
 
     /// The output names, in order.

@@ -77,7 +77,9 @@ pub fn forward_training(
         (mu.clone(), var.iter().map(|v| adj * v).collect())
     } else {
         (
-            (0..c).map(|i| (1.0 - factor) * mean[i] + factor * mu[i]).collect(),
+            (0..c)
+                .map(|i| (1.0 - factor) * mean[i] + factor * mu[i])
+                .collect(),
             (0..c)
                 .map(|i| (1.0 - factor) * variance[i] + factor * adj * var[i])
                 .collect(),

@@ -46,7 +46,9 @@ fn make<T: Element>(format: DataFormat, shape: &[usize], eps_attr: f32, seed: u6
             T::narrow(T::Stat::from_f64(centre[ch] + spread[ch] * rng.normal()))
         })
         .collect();
-    let dy = (0..p.len()).map(|_| T::narrow(T::Stat::from_f64(rng.normal()))).collect();
+    let dy = (0..p.len())
+        .map(|_| T::narrow(T::Stat::from_f64(rng.normal())))
+        .collect();
     let u = |v: f64| T::Stat::from_f64(v);
     Data {
         scale: (0..c).map(|_| u(0.5 + rng.uniform())).collect(),
@@ -71,13 +73,27 @@ fn close<T: Element>(what: &str, got: &[T], want: &[f64], rel: f64) -> Result<()
 
 /// As [`close`], with the error scale at least `floor` (for results that are small
 /// differences of larger terms).
-fn close_scaled<T: Element>(what: &str, got: &[T], want: &[f64], rel: f64, floor: f64) -> Result<(), TestCaseError> {
+fn close_scaled<T: Element>(
+    what: &str,
+    got: &[T],
+    want: &[f64],
+    rel: f64,
+    floor: f64,
+) -> Result<(), TestCaseError> {
     prop_assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(floor, |m, v| m.max(v.abs()));
     let ulp = 2.0 * eps(T::DTYPE);
     for (i, (g, w)) in f64s(got).iter().zip(want).enumerate() {
         let tol = rel * scale + ulp * w.abs();
-        prop_assert!((g - w).abs() <= tol, "{}[{}]: got {}, want {} (tol {:e})", what, i, g, w, tol);
+        prop_assert!(
+            (g - w).abs() <= tol,
+            "{}[{}]: got {}, want {} (tol {:e})",
+            what,
+            i,
+            g,
+            w,
+            tol
+        );
     }
     Ok(())
 }
@@ -94,9 +110,33 @@ fn check_all<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> 
     let mut y = vec![T::default(); p.len()];
     let (mut mu, mut var) = (vec![zero; c], vec![zero; c]);
     let (mut rm, mut rv) = (d.mean.clone(), d.variance.clone());
-    p.forward_training(&d.x, &d.scale, &d.offset, &mut y, SavedStats { mean: &mut mu, variance: &mut var },
-        Some(RunningStats { mean: &mut rm, variance: &mut rv, factor })).unwrap();
-    let r = reference::forward_training(fmt, shape, &x, &scale, &offset, &mean, &variance, e, f64::from(factor));
+    p.forward_training(
+        &d.x,
+        &d.scale,
+        &d.offset,
+        &mut y,
+        SavedStats {
+            mean: &mut mu,
+            variance: &mut var,
+        },
+        Some(RunningStats {
+            mean: &mut rm,
+            variance: &mut rv,
+            factor,
+        }),
+    )
+    .unwrap();
+    let r = reference::forward_training(
+        fmt,
+        shape,
+        &x,
+        &scale,
+        &offset,
+        &mean,
+        &variance,
+        e,
+        f64::from(factor),
+    );
     close("y", &y, &r.y, 1e-5)?;
     close("reserve_space_1", &mu, &r.reserve_space_1, 1e-6)?;
     close("reserve_space_2", &var, &r.reserve_space_2, 1e-5)?;
@@ -104,47 +144,114 @@ fn check_all<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> 
     close("batch_variance", &rv, &r.batch_variance, 1e-5)?;
 
     // Forward, inference.
-    p.forward_inference(&d.x, &d.scale, &d.offset, &d.mean, &d.variance, &mut y).unwrap();
+    p.forward_inference(&d.x, &d.scale, &d.offset, &d.mean, &d.variance, &mut y)
+        .unwrap();
     let r = reference::forward_inference(fmt, shape, &x, &scale, &offset, &mean, &variance, e);
     close("y (inference)", &y, &r.y, 1e-5)?;
 
     // Gradients: training with the saved statistics, inference with the population ones.
     for training in [true, false] {
-        let (rs1, rs2) = if training { (&mu, &var) } else { (&d.mean, &d.variance) };
+        let (rs1, rs2) = if training {
+            (&mu, &var)
+        } else {
+            (&d.mean, &d.variance)
+        };
         let mut dx = vec![T::default(); p.len()];
         let (mut ds, mut db) = (vec![zero; c], vec![zero; c]);
-        let g = Gradients { x: &mut dx, scale: &mut ds, offset: &mut db };
+        let g = Gradients {
+            x: &mut dx,
+            scale: &mut ds,
+            offset: &mut db,
+        };
         if training {
-            p.backward_training(&d.dy, &d.x, &d.scale, rs1, rs2, g).unwrap();
+            p.backward_training(&d.dy, &d.x, &d.scale, rs1, rs2, g)
+                .unwrap();
         } else {
-            p.backward_inference(&d.dy, &d.x, &d.scale, rs1, rs2, g).unwrap();
+            p.backward_inference(&d.dy, &d.x, &d.scale, rs1, rs2, g)
+                .unwrap();
         }
-        let r = reference::backward(fmt, shape, &dy, &x, &scale, &f64s(rs1), &f64s(rs2), e, training);
+        let r = reference::backward(
+            fmt,
+            shape,
+            &dy,
+            &x,
+            &scale,
+            &f64s(rs1),
+            &f64s(rs2),
+            e,
+            training,
+        );
         // dx is a difference of terms of size |dy|·scale·r: errors scale with those.
-        let r_max = f64s(rs2).iter().zip(&scale).fold(0f64, |m, (v, s)| m.max(s.abs() / (v + e).sqrt()));
+        let r_max = f64s(rs2)
+            .iter()
+            .zip(&scale)
+            .fold(0f64, |m, (v, s)| m.max(s.abs() / (v + e).sqrt()));
         let floor = dy.iter().fold(0f64, |m, v| m.max(v.abs())) * r_max;
         close_scaled("x_backprop", &dx, &r.x_backprop, 1e-5, floor)?;
         let m = p.elements_per_channel() as f64;
         let tol = 1e-5 * m.sqrt().max(1.0);
         for ch in 0..c {
             let (gs, gb) = (ds[ch].to_f64(), db[ch].to_f64());
-            prop_assert!((gb - r.offset_backprop[ch]).abs() <= tol * 4.0, "offset_backprop[{}] {} vs {}", ch, gb, r.offset_backprop[ch]);
-            prop_assert!((gs - r.scale_backprop[ch]).abs() <= tol * 8.0 + 1e-6 * r.scale_backprop[ch].abs(),
-                "scale_backprop[{}] {} vs {}", ch, gs, r.scale_backprop[ch]);
+            prop_assert!(
+                (gb - r.offset_backprop[ch]).abs() <= tol * 4.0,
+                "offset_backprop[{}] {} vs {}",
+                ch,
+                gb,
+                r.offset_backprop[ch]
+            );
+            prop_assert!(
+                (gs - r.scale_backprop[ch]).abs() <= tol * 8.0 + 1e-6 * r.scale_backprop[ch].abs(),
+                "scale_backprop[{}] {} vs {}",
+                ch,
+                gs,
+                r.scale_backprop[ch]
+            );
         }
     }
     Ok(())
 }
 
 fn shape_strategy() -> impl Strategy<Value = (DataFormat, Vec<usize>)> {
-    let c = prop_oneof![Just(1usize), Just(2), Just(3), Just(7), Just(8), Just(9), Just(16), Just(17), Just(33), 1usize..80, Just(300)];
-    let dim = prop_oneof![Just(1usize), Just(2), Just(3), Just(5), Just(8), Just(9), Just(16), Just(17), 1usize..24];
-    (prop::sample::select(DataFormat::ALL.to_vec()), c, dim.clone(), dim.clone(), dim.clone(), 1usize..4).prop_map(
-        |(f, c, a, b, d, n)| {
-            let spatial: Vec<usize> = if f.rank() == 5 { vec![a, b, d.min(6)] } else { vec![a, b] };
-            (f, logical_to_shape(f, n, &spatial, c))
-        },
+    let c = prop_oneof![
+        Just(1usize),
+        Just(2),
+        Just(3),
+        Just(7),
+        Just(8),
+        Just(9),
+        Just(16),
+        Just(17),
+        Just(33),
+        1usize..80,
+        Just(300)
+    ];
+    let dim = prop_oneof![
+        Just(1usize),
+        Just(2),
+        Just(3),
+        Just(5),
+        Just(8),
+        Just(9),
+        Just(16),
+        Just(17),
+        1usize..24
+    ];
+    (
+        prop::sample::select(DataFormat::ALL.to_vec()),
+        c,
+        dim.clone(),
+        dim.clone(),
+        dim.clone(),
+        1usize..4,
     )
+        .prop_map(|(f, c, a, b, d, n)| {
+            let spatial: Vec<usize> = if f.rank() == 5 {
+                vec![a, b, d.min(6)]
+            } else {
+                vec![a, b]
+            };
+            (f, logical_to_shape(f, n, &spatial, c))
+        })
 }
 
 proptest! {
@@ -176,20 +283,22 @@ proptest! {
 #[test]
 fn large_and_odd_geometries_match_reference() {
     let cases: &[(DataFormat, &[usize])] = &[
-        (DataFormat::Nchw, &[3, 5, 97, 101]),     // rows of 9797 > TILE
-        (DataFormat::Nchw, &[40, 3, 33, 31]),     // many rows per tile, several tasks
-        (DataFormat::Nhwc, &[4, 61, 67, 9]),      // channels-last, many tiles, parallel
-        (DataFormat::Nhwc, &[2, 17, 13, 2048]),   // wide C: 8 pixels per tile
-        (DataFormat::Nhwc, &[1, 1, 70001, 1]),    // C = 1: one contiguous run
+        (DataFormat::Nchw, &[3, 5, 97, 101]),   // rows of 9797 > TILE
+        (DataFormat::Nchw, &[40, 3, 33, 31]),   // many rows per tile, several tasks
+        (DataFormat::Nhwc, &[4, 61, 67, 9]),    // channels-last, many tiles, parallel
+        (DataFormat::Nhwc, &[2, 17, 13, 2048]), // wide C: 8 pixels per tile
+        (DataFormat::Nhwc, &[1, 1, 70001, 1]),  // C = 1: one contiguous run
         (DataFormat::Ncdhw, &[2, 4, 9, 30, 31]),
         (DataFormat::Ndhwc, &[2, 9, 30, 31, 5]),
-        (DataFormat::Nchw, &[1, 3, 1, 1]),        // M = 1
-        (DataFormat::Nhwc, &[1, 1, 1, 5]),        // M = 1
-        (DataFormat::Nchw, &[300, 2, 1, 1]),      // inner = 1 in NCHW: treated as channels-last
+        (DataFormat::Nchw, &[1, 3, 1, 1]),   // M = 1
+        (DataFormat::Nhwc, &[1, 1, 1, 5]),   // M = 1
+        (DataFormat::Nchw, &[300, 2, 1, 1]), // inner = 1 in NCHW: treated as channels-last
     ];
     for (i, (f, s)) in cases.iter().enumerate() {
-        check_all(&make::<f32>(*f, s, 1e-3, i as u64), 0.25).unwrap_or_else(|e| panic!("{f} {s:?}: {e}"));
-        check_all(&make::<bf16>(*f, s, 1e-3, i as u64), 1.0).unwrap_or_else(|e| panic!("bf16 {f} {s:?}: {e}"));
+        check_all(&make::<f32>(*f, s, 1e-3, i as u64), 0.25)
+            .unwrap_or_else(|e| panic!("{f} {s:?}: {e}"));
+        check_all(&make::<bf16>(*f, s, 1e-3, i as u64), 1.0)
+            .unwrap_or_else(|e| panic!("bf16 {f} {s:?}: {e}"));
     }
 }
 
@@ -197,18 +306,47 @@ fn large_and_odd_geometries_match_reference() {
 /// bit-identical whatever the number of threads.
 #[test]
 fn results_do_not_depend_on_thread_count() {
-    for (f, s) in [(DataFormat::Nhwc, vec![8, 40, 40, 24]), (DataFormat::Nchw, vec![8, 24, 40, 40])] {
+    for (f, s) in [
+        (DataFormat::Nhwc, vec![8, 40, 40, 24]),
+        (DataFormat::Nchw, vec![8, 24, 40, 40]),
+    ] {
         let d = make::<f32>(f, &s, 1e-3, 7);
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
             pool.install(|| {
                 let c = d.p.channels();
                 let mut y = vec![0f32; d.p.len()];
                 let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-                d.p.forward_training(&d.x, &d.scale, &d.offset, &mut y, SavedStats { mean: &mut mu, variance: &mut var }, None).unwrap();
+                d.p.forward_training(
+                    &d.x,
+                    &d.scale,
+                    &d.offset,
+                    &mut y,
+                    SavedStats {
+                        mean: &mut mu,
+                        variance: &mut var,
+                    },
+                    None,
+                )
+                .unwrap();
                 let mut dx = vec![0f32; d.p.len()];
                 let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
-                d.p.backward_training(&d.dy, &d.x, &d.scale, &mu, &var, Gradients { x: &mut dx, scale: &mut ds, offset: &mut db }).unwrap();
+                d.p.backward_training(
+                    &d.dy,
+                    &d.x,
+                    &d.scale,
+                    &mu,
+                    &var,
+                    Gradients {
+                        x: &mut dx,
+                        scale: &mut ds,
+                        offset: &mut db,
+                    },
+                )
+                .unwrap();
                 (y, mu, var, dx, ds, db)
             })
         };

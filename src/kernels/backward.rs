@@ -1,5 +1,9 @@
 //! Backward passes: the reduction `Σdy`, `Σdy·(x − μ)` per channel, and the
-//! elementwise `dx = dy·k1 + (x − μ)·k2 + k3`.
+//! elementwise `dx = (dy − dȳ)·k1 + (x − μ)·k2`.
+//!
+//! Centring both `dy` and `x` before scaling (rather than folding the means into a
+//! constant term) keeps `dx` exact where it should vanish (e.g. `M = 1`, as in
+//! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::{
     for_each_channel_tile, for_each_row_chunk, map_tasks, pixels_per_task, pixels_per_tile,
@@ -26,7 +30,12 @@ pub fn reduce<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::Stat]) -> 
     }
 }
 
-fn reduce_channel_major<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::Stat]) -> BackwardSums {
+fn reduce_channel_major<T: Element>(
+    g: &Geometry,
+    dy: &[T],
+    x: &[T],
+    mean: &[T::Stat],
+) -> BackwardSums {
     let split = ChannelMajorSplit::new(g);
     let partials = map_tasks(g, split.tasks(g), |t| {
         let (c, o0, o1) = split.task(g, t);
@@ -63,7 +72,12 @@ fn reduce_channel_major<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::
     sums
 }
 
-fn reduce_channels_last<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::Stat]) -> BackwardSums {
+fn reduce_channels_last<T: Element>(
+    g: &Geometry,
+    dy: &[T],
+    x: &[T],
+    mean: &[T::Stat],
+) -> BackwardSums {
     let c = g.channels;
     let ppt = pixels_per_task(c);
     let tile_px = pixels_per_tile(c);
@@ -81,7 +95,9 @@ fn reduce_channels_last<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::
             a.fill(zero);
             b.fill(zero);
             for (dp, xp) in dt.chunks_exact(c).zip(xt.chunks_exact(c)) {
-                for ((((a, b), d), xv), m) in a.iter_mut().zip(b.iter_mut()).zip(dp).zip(xp).zip(mean) {
+                for ((((a, b), d), xv), m) in
+                    a.iter_mut().zip(b.iter_mut()).zip(dp).zip(xp).zip(mean)
+                {
                     let d = d.widen();
                     *a = *a + d;
                     *b = *b + d * (xv.widen() - *m);
@@ -107,16 +123,16 @@ fn reduce_channels_last<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::
     sums
 }
 
-/// `dx = dy·k1[c] + (x − mean[c])·k2[c] + k3[c]`, computed in `U`, rounded once.
+/// `dx = (dy − dy_mean[c])·k1[c] + (x − mean[c])·k2[c]`, computed in `U`, rounded once.
 #[allow(clippy::too_many_arguments)]
 pub fn apply<T: Element>(
     g: &Geometry,
     dy: &[T],
     x: &[T],
+    dy_mean: &[T::Stat],
     mean: &[T::Stat],
     k1: &[T::Stat],
     k2: &[T::Stat],
-    k3: &[T::Stat],
     dx: &mut [T],
 ) {
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && dx.len() == g.len());
@@ -131,7 +147,7 @@ pub fn apply<T: Element>(
                 .zip(xs.chunks_exact(c))
             {
                 for i in 0..c {
-                    let v = d[i].widen() * k1[i] + (xr[i].widen() - mean[i]) * k2[i] + k3[i];
+                    let v = (d[i].widen() - dy_mean[i]) * k1[i] + (xr[i].widen() - mean[i]) * k2[i];
                     o[i] = T::narrow(v);
                 }
             }
@@ -143,9 +159,9 @@ pub fn apply<T: Element>(
                 .enumerate()
             {
                 let ch = (row0 + r) % c;
-                let (m, k1, k2, k3) = (mean[ch], k1[ch], k2[ch], k3[ch]);
+                let (dm, m, k1, k2) = (dy_mean[ch], mean[ch], k1[ch], k2[ch]);
                 for ((o, d), xv) in o.iter_mut().zip(d).zip(xr) {
-                    *o = T::narrow(d.widen() * k1 + (xv.widen() - m) * k2 + k3);
+                    *o = T::narrow((d.widen() - dm) * k1 + (xv.widen() - m) * k2);
                 }
             }
         }

@@ -8,7 +8,7 @@
 //! | statistics: per-channel mean and M2 | [`stats`] | x | C moments |
 //! | apply: `y = (x - shift)·a + b` | [`apply`] | x | y |
 //! | backward reduce: `Σdy`, `Σdy·(x−μ)` | [`backward`] | dy, x | 2·C sums |
-//! | backward apply: `dx = dy·k1 + (x−μ)·k2 + k3` | [`backward`] | dy, x | dx |
+//! | backward apply: `dx = (dy−dȳ)·k1 + (x−μ)·k2` | [`backward`] | dy, x | dx |
 //!
 //! This module (the driver) decides how the work is split; the pass modules decide
 //! how one piece is done. Splitting depends only on the geometry, never on the number
@@ -218,7 +218,13 @@ impl Tile {
 /// Calls `f` with each tile of channel `c`, outer rows `[o0, o1)`, of a channel-major
 /// tensor: a tile is a run of whole rows totalling about [`TILE`] elements, or an
 /// equal piece of one row when rows are longer than that.
-pub(crate) fn for_each_channel_tile(g: &Geometry, c: usize, o0: usize, o1: usize, mut f: impl FnMut(Tile)) {
+pub(crate) fn for_each_channel_tile(
+    g: &Geometry,
+    c: usize,
+    o0: usize,
+    o1: usize,
+    mut f: impl FnMut(Tile),
+) {
     let inner = g.inner;
     let stride = g.channels * inner;
     let base = c * inner;
@@ -228,7 +234,12 @@ pub(crate) fn for_each_channel_tile(g: &Geometry, c: usize, o0: usize, o1: usize
             let mut s = 0;
             while s < inner {
                 let step = piece.min(inner - s);
-                f(Tile { start: base + o * stride + s, step, stride, count: 1 });
+                f(Tile {
+                    start: base + o * stride + s,
+                    step,
+                    stride,
+                    count: 1,
+                });
                 s += step;
             }
         }
@@ -237,7 +248,12 @@ pub(crate) fn for_each_channel_tile(g: &Geometry, c: usize, o0: usize, o1: usize
         let mut o = o0;
         while o < o1 {
             let count = per_tile.min(o1 - o);
-            f(Tile { start: base + o * stride, step: inner, stride, count });
+            f(Tile {
+                start: base + o * stride,
+                step: inner,
+                stride,
+                count,
+            });
             o += count;
         }
     }

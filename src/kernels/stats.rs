@@ -41,6 +41,15 @@ impl Moments {
             return other;
         }
         let count = self.count + other.count;
+        if !(self.mean.is_finite() && other.mean.is_finite()) {
+            // An infinite member: the mean is what the plain sum gives (±Inf, or NaN
+            // for +Inf and −Inf together) and the deviations from it are NaN.
+            return Moments {
+                count,
+                mean: self.mean + other.mean,
+                m2: f64::NAN,
+            };
+        }
         let delta = other.mean - self.mean;
         Moments {
             count,
@@ -57,6 +66,14 @@ impl Moments {
     /// Moments of a tile from its pivot and the `f32`/`f64` sums of `d = x − pivot`.
     fn from_pivot(count: usize, pivot: f64, s1: f64, s2: f64) -> Moments {
         let n = count as f64;
+        if !pivot.is_finite() {
+            // The tile's sum is ±Inf or NaN: so is its mean, as IEEE sums give it.
+            return Moments {
+                count: n,
+                mean: pivot,
+                m2: f64::NAN,
+            };
+        }
         let m2 = s2 - s1 * s1 / n;
         Moments {
             count: n,
@@ -94,7 +111,10 @@ fn channel_major<T: Element>(g: &Geometry, x: &[T]) -> Vec<Moments> {
 }
 
 /// Exact two-pass moments of one cache-resident tile of `n` elements.
-fn tile_moments<'a, T: Element>(pieces: impl Iterator<Item = &'a [T]> + Clone, n: usize) -> Moments {
+fn tile_moments<'a, T: Element>(
+    pieces: impl Iterator<Item = &'a [T]> + Clone,
+    n: usize,
+) -> Moments {
     let zero = T::Stat::ZERO;
     let mut sum = [zero; LANES];
     for p in pieces.clone() {
@@ -163,7 +183,12 @@ fn channels_last<T: Element>(g: &Geometry, x: &[T]) -> Vec<Moments> {
                 }
             }
             for (ch, o) in out.iter_mut().enumerate() {
-                *o = o.merge(Moments::from_pivot(n, pivot[ch].to_f64(), s1[ch].to_f64(), s2[ch].to_f64()));
+                *o = o.merge(Moments::from_pivot(
+                    n,
+                    pivot[ch].to_f64(),
+                    s1[ch].to_f64(),
+                    s2[ch].to_f64(),
+                ));
             }
         }
         out

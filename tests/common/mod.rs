@@ -21,7 +21,11 @@ pub struct Case {
 pub fn fixtures_dir() -> PathBuf {
     // The library crate is the workspace root; the CLI crate is one level below it.
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let root = if here.join("tests/fixtures").is_dir() { here.to_path_buf() } else { here.join("..") };
+    let root = if here.join("tests/fixtures").is_dir() {
+        here.to_path_buf()
+    } else {
+        here.join("..")
+    };
     root.join("tests/fixtures")
 }
 
@@ -33,7 +37,11 @@ pub fn cases() -> Vec<Case> {
         .filter(|p| p.join("case.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 100, "expected the committed fixtures, found {}", dirs.len());
+    assert!(
+        dirs.len() >= 100,
+        "expected the committed fixtures, found {}",
+        dirs.len()
+    );
     dirs.iter().map(|d| load(d)).collect()
 }
 
@@ -89,13 +97,24 @@ pub fn eps(d: DType) -> f64 {
 /// (SPEC §7) — so half outputs may differ from TF's by one rounding of T.
 pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String> {
     if got.dtype() != expected.dtype() {
-        return Err(format!("{what}: dtype {} != expected {}", got.dtype(), expected.dtype()));
+        return Err(format!(
+            "{what}: dtype {} != expected {}",
+            got.dtype(),
+            expected.dtype()
+        ));
     }
     if got.shape() != expected.shape() {
-        return Err(format!("{what}: shape {:?} != expected {:?}", got.shape(), expected.shape()));
+        return Err(format!(
+            "{what}: shape {:?} != expected {:?}",
+            got.shape(),
+            expected.shape()
+        ));
     }
     let (g, e) = (got.to_f64_vec(), expected.to_f64_vec());
-    let scale = e.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs()));
+    let scale = e
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f64, |m, v| m.max(v.abs()));
     let ulp = 2.0 * eps(got.dtype());
     for (i, (a, b)) in g.iter().zip(&e).enumerate() {
         if b.is_nan() {
@@ -106,7 +125,9 @@ pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String
         }
         let tol = 1e-4 * scale + ulp * b.abs().max(a.abs());
         if !((a - b).abs() <= tol) {
-            return Err(format!("{what}[{i}]: got {a}, expected {b} (tolerance {tol:.3e})"));
+            return Err(format!(
+                "{what}[{i}]: got {a}, expected {b} (tolerance {tol:.3e})"
+            ));
         }
     }
     Ok(())

@@ -1,0 +1,681 @@
+//! SPEC.md, section by section: §4 validation (every rule, in order), §5 empty tensors,
+//! §7 accuracy, §8 reference values, non-finite propagation.
+
+mod common;
+
+use fusedbn::batch_norm::{Gradients, SavedStats};
+use fusedbn::ops::{Attrs, Inputs, Op, Outputs};
+use fusedbn::{DataFormat, Error, Problem, Tensor};
+use half::{bf16, f16};
+
+fn t(shape: &[usize], v: Vec<f32>) -> Tensor {
+    Tensor::new(shape.to_vec(), v).unwrap()
+}
+
+fn filled(shape: &[usize], v: f32) -> Tensor {
+    t(shape, vec![v; shape.iter().product()])
+}
+
+fn vec1(v: &[f32]) -> Tensor {
+    Tensor::vector(v.to_vec())
+}
+
+fn f32s<'a>(out: &'a Outputs, name: &str) -> &'a [f32] {
+    out.get(name).unwrap().as_slice::<f32>().unwrap()
+}
+
+fn run(op: Op, inputs: &[(&str, &Tensor)], attrs: Attrs) -> fusedbn::Result<Outputs> {
+    let mut i = Inputs::new();
+    for (n, t) in inputs {
+        i.insert(n, t);
+    }
+    op.run(&i, &attrs)
+}
+
+// ---------------------------------------------------------------- §8 reference values
+
+#[test]
+fn spec8_forward_training() {
+    let per_channel = [5.0f32, 7.0, 9.0, 11.0, 13.0, 15.0];
+    let x = t(
+        &[1, 1, 6, 2],
+        per_channel.iter().flat_map(|&v| [v, v]).collect(),
+    );
+    let (scale, offset) = (vec1(&[4.0, 4.0]), vec1(&[2.0, 2.0]));
+    let attrs = Attrs::new().epsilon(0.001);
+    let out = run(
+        Op::FusedBatchNorm,
+        &[("x", &x), ("scale", &scale), ("offset", &offset)],
+        attrs,
+    )
+    .unwrap();
+    let want = [-3.86, -1.51, 0.83, 3.17, 5.51, 7.86];
+    for (i, y) in f32s(&out, "y").iter().enumerate() {
+        assert!((y - want[i / 2]).abs() < 0.005, "y[{i}] = {y}");
+    }
+    assert_eq!(f32s(&out, "batch_mean"), [10.0, 10.0]);
+    assert_eq!(f32s(&out, "batch_variance"), [14.0, 14.0]);
+    assert_eq!(f32s(&out, "reserve_space_2"), [35.0 / 3.0, 35.0 / 3.0]);
+
+    let (mean, var) = (vec1(&[6.0, 6.0]), vec1(&[16.0, 16.0]));
+    let inputs = [
+        ("x", &x),
+        ("scale", &scale),
+        ("offset", &offset),
+        ("mean", &mean),
+        ("variance", &var),
+    ];
+    let out = run(
+        Op::FusedBatchNormV2,
+        &inputs,
+        attrs.exponential_avg_factor(0.5),
+    )
+    .unwrap();
+    assert_eq!(f32s(&out, "batch_mean"), [8.0, 8.0]);
+    assert_eq!(f32s(&out, "batch_variance"), [15.0, 15.0]);
+}
+
+#[test]
+fn spec8_gradient_training() {
+    let dy = t(&[1, 1, 6, 1], vec![2.0, 9.0, -4.0, 5.0, 8.0, 7.0]);
+    let x = t(&[1, 1, 6, 1], vec![1.0, 7.0, 4.0, -3.0, -11.0, 13.0]);
+    let scale = vec1(&[4.0]);
+    // With the exact batch statistics (mean 11/6, variance 57.4722) SPEC's values hold;
+    // with SPEC's rounded 1.833 / 57.472 TensorFlow itself gives -1.64765.
+    for (rs1, rs2, dscale) in [(11.0 / 6.0, 57.472_222, -1.6488), (1.833, 57.472, -1.64765)] {
+        let (rs1, rs2) = (vec1(&[rs1]), vec1(&[rs2]));
+        let inputs = [
+            ("y_backprop", &dy),
+            ("x", &x),
+            ("scale", &scale),
+            ("reserve_space_1", &rs1),
+            ("reserve_space_2", &rs2),
+        ];
+        let out = run(Op::FusedBatchNormGrad, &inputs, Attrs::new().epsilon(0.001)).unwrap();
+        let want = [-1.34, 2.47, -4.44, 0.17, 1.60, 1.53];
+        for (g, w) in f32s(&out, "x_backprop").iter().zip(want) {
+            assert!((g - w).abs() < 0.006, "x_backprop {g} vs {w}");
+        }
+        assert!((f32s(&out, "scale_backprop")[0] - dscale).abs() < 2e-4);
+        assert_eq!(f32s(&out, "offset_backprop"), [27.0]);
+        assert_eq!(out.get("reserve_space_3").unwrap().shape(), [0]);
+        assert_eq!(out.get("reserve_space_4").unwrap().shape(), [0]);
+    }
+}
+
+// ---------------------------------------------------------------- §7 accuracy
+
+/// |mean|/std = 1e4 and M = 10^6: a single running f32 sum would be off by far more
+/// than the std; blocked two-pass sums keep mean and std right to ~1e-5·std.
+#[test]
+fn spec7_statistics_with_large_mean() {
+    let mut rng = common::Rng::new(42);
+    let m = 1_000_000usize;
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let c = 2;
+        let x: Vec<f32> = (0..m * c).map(|_| (1e4 + rng.normal()) as f32).collect();
+        let shape = if format == DataFormat::Nhwc {
+            [1, 1000, 1000, c]
+        } else {
+            [1, c, 1000, 1000]
+        };
+        let p = Problem::new(format, &shape).unwrap();
+        let mut y = vec![0f32; x.len()];
+        let (mut mu, mut var) = ([0f32; 2], [0f32; 2]);
+        p.forward_training(
+            &x,
+            &[1.0; 2],
+            &[0.0; 2],
+            &mut y,
+            SavedStats {
+                mean: &mut mu,
+                variance: &mut var,
+            },
+            None,
+        )
+        .unwrap();
+        for ch in 0..c {
+            let vals: Vec<f64> = if format == DataFormat::Nhwc {
+                x.iter().skip(ch).step_by(c).map(|&v| v as f64).collect()
+            } else {
+                x[ch * m..(ch + 1) * m].iter().map(|&v| v as f64).collect()
+            };
+            let mean = vals.iter().sum::<f64>() / m as f64;
+            let std = (vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / m as f64).sqrt();
+            assert!(
+                (mu[ch] as f64 - mean).abs() <= 1e-5 * std + f32::EPSILON as f64 * mean,
+                "{format} mean {} vs {mean}",
+                mu[ch]
+            );
+            assert!(
+                ((var[ch] as f64).sqrt() - std).abs() <= 1e-5 * std,
+                "{format} std {} vs {std}",
+                (var[ch] as f64).sqrt()
+            );
+        }
+        // y stays accurate too: normalized values have mean ~0 and std ~1.
+        let ym: f64 = y.iter().map(|&v| v as f64).sum::<f64>() / y.len() as f64;
+        assert!(ym.abs() < 1e-3, "{format} mean(y) = {ym}");
+    }
+}
+
+// ---------------------------------------------------------------- §5 empty tensors
+
+#[test]
+fn spec5_empty_forward() {
+    for (format, shape) in [
+        (DataFormat::Nhwc, [0usize, 2, 2, 3]),
+        (DataFormat::Nchw, [2, 3, 0, 4]),
+    ] {
+        let x = filled(&shape, 0.0);
+        let three = vec1(&[1.0, 1.0, 1.0]);
+        for (training, factor) in [(true, 1.0), (true, 0.5), (false, 1.0)] {
+            let attrs = Attrs::new()
+                .data_format(format)
+                .is_training(training)
+                .exponential_avg_factor(factor);
+            let inputs = [
+                ("x", &x),
+                ("scale", &three),
+                ("offset", &three),
+                ("mean", &three),
+                ("variance", &three),
+            ];
+            let out = run(Op::FusedBatchNormV3, &inputs, attrs).unwrap();
+            assert_eq!(out.get("y").unwrap().shape(), shape);
+            for name in [
+                "batch_mean",
+                "batch_variance",
+                "reserve_space_1",
+                "reserve_space_2",
+            ] {
+                let v = f32s(&out, name);
+                assert!(
+                    v.len() == 3 && v.iter().all(|v| v.is_nan()),
+                    "{format} {training} {factor} {name}: {v:?}"
+                );
+            }
+            assert_eq!(out.get("reserve_space_3").unwrap().shape(), [0]);
+        }
+    }
+}
+
+#[test]
+fn spec5_empty_gradient_is_zero_even_with_nan_statistics() {
+    let x = filled(&[0, 2, 2, 3], 0.0);
+    let nan = vec1(&[f32::NAN; 3]);
+    let scale = vec1(&[1.0; 3]);
+    for training in [true, false] {
+        let inputs = [
+            ("y_backprop", &x),
+            ("x", &x),
+            ("scale", &scale),
+            ("reserve_space_1", &nan),
+            ("reserve_space_2", &nan),
+        ];
+        let out = run(
+            Op::FusedBatchNormGradV3,
+            &inputs,
+            Attrs::new().is_training(training),
+        )
+        .unwrap();
+        assert_eq!(out.get("x_backprop").unwrap().shape(), [0, 2, 2, 3]);
+        assert_eq!(f32s(&out, "scale_backprop"), [0.0; 3]);
+        assert_eq!(f32s(&out, "offset_backprop"), [0.0; 3]);
+    }
+}
+
+// ---------------------------------------------------------------- non-finite values
+
+#[test]
+fn nan_and_inf_propagate_per_channel() {
+    // Channel 0 holds a NaN, channel 1 an Inf, channel 2 is ordinary.
+    let mut v = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0];
+    v[0] = f32::NAN;
+    v[4] = f32::INFINITY;
+    let x = t(&[1, 3, 1, 3], v);
+    let ones = vec1(&[1.0; 3]);
+    let out = run(
+        Op::FusedBatchNormV3,
+        &[("x", &x), ("scale", &ones), ("offset", &ones)],
+        Attrs::new().data_format(DataFormat::Nchw),
+    )
+    .unwrap();
+    let (m, var) = (f32s(&out, "batch_mean"), f32s(&out, "batch_variance"));
+    assert!(m[0].is_nan() && var[0].is_nan());
+    assert!(m[1] == f32::INFINITY && var[1].is_nan());
+    assert_eq!(m[2], 8.0);
+    assert!(f32s(&out, "y")[6..].iter().all(|y| y.is_finite()));
+}
+
+// ---------------------------------------------------------------- §4 validation
+
+/// Asserts an `InvalidArgument` naming `arg`, with the expectation and the finding in
+/// the message.
+fn assert_arg_error(r: fusedbn::Result<Outputs>, arg: &str, expect_in_msg: &[&str]) {
+    match r {
+        Err(e @ Error::InvalidArgument { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with(&format!("{arg}:")),
+                "wrong argument in {msg:?}, wanted {arg}"
+            );
+            for s in expect_in_msg {
+                assert!(msg.contains(s), "{msg:?} does not mention {s:?}");
+            }
+        }
+        other => panic!("expected an error about {arg}, got {other:?}"),
+    }
+}
+
+struct Fwd {
+    x: Tensor,
+    scale: Tensor,
+    offset: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+}
+
+impl Fwd {
+    fn new() -> Self {
+        Fwd {
+            x: filled(&[2, 3, 3, 4], 1.0),
+            scale: vec1(&[1.0; 4]),
+            offset: vec1(&[0.0; 4]),
+            mean: vec1(&[0.0; 4]),
+            variance: vec1(&[1.0; 4]),
+        }
+    }
+
+    fn run(&self, op: Op, attrs: Attrs) -> fusedbn::Result<Outputs> {
+        run(
+            op,
+            &[
+                ("x", &self.x),
+                ("scale", &self.scale),
+                ("offset", &self.offset),
+                ("mean", &self.mean),
+                ("variance", &self.variance),
+            ],
+            attrs,
+        )
+    }
+}
+
+#[test]
+fn spec4_rule1_rank_of_x() {
+    let mut f = Fwd::new();
+    f.x = filled(&[2, 3, 4], 1.0);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "x",
+        &["4-D or 5-D", "[2, 3, 4]"],
+    );
+    f.x = filled(&[2, 3, 3, 3, 4], 1.0);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "x",
+        &["4-D", "NHWC", "[2, 3, 3, 3, 4]"],
+    );
+    f.x = filled(&[2, 3, 3, 4], 1.0);
+    assert_arg_error(
+        f.run(
+            Op::FusedBatchNormV3,
+            Attrs::new().data_format(DataFormat::Ndhwc),
+        ),
+        "x",
+        &["5-D", "NDHWC"],
+    );
+}
+
+#[test]
+fn spec4_rule2_statistics_are_vectors() {
+    for name in ["scale", "offset", "mean", "variance"] {
+        let mut f = Fwd::new();
+        let bad = filled(&[2, 2], 1.0);
+        match name {
+            "scale" => f.scale = bad,
+            "offset" => f.offset = bad,
+            "mean" => f.mean = bad,
+            _ => f.variance = bad,
+        }
+        assert_arg_error(
+            f.run(Op::FusedBatchNormV3, Attrs::new().is_training(false)),
+            name,
+            &["1-D", "[2, 2]"],
+        );
+    }
+    let mut f = Fwd::new();
+    f.scale = Tensor::new(vec![], vec![1.0f32]).unwrap();
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "scale",
+        &["1-D", "[]"],
+    );
+}
+
+#[test]
+fn spec4_rule3_scale_and_offset_have_c_elements() {
+    let mut f = Fwd::new();
+    f.scale = vec1(&[1.0; 3]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "scale",
+        &["4 elements", "[3]"],
+    );
+    let mut f = Fwd::new();
+    f.offset = vec1(&[1.0; 5]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "offset",
+        &["4 elements", "[5]"],
+    );
+}
+
+#[test]
+fn spec4_rule4_mean_and_variance_in_inference_or_with_factor() {
+    let mut f = Fwd::new();
+    f.mean = Tensor::empty(fusedbn::DType::F32);
+    f.variance = Tensor::empty(fusedbn::DType::F32);
+    // Training with factor 1: they may be empty.
+    f.run(Op::FusedBatchNormV3, Attrs::new()).unwrap();
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new().is_training(false)),
+        "mean",
+        &["4 elements", "inference", "[0]"],
+    );
+    assert_arg_error(
+        f.run(
+            Op::FusedBatchNormV3,
+            Attrs::new().exponential_avg_factor(0.9),
+        ),
+        "mean",
+        &["exponential_avg_factor"],
+    );
+    let mut f = Fwd::new();
+    f.variance = vec1(&[1.0; 2]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new().is_training(false)),
+        "variance",
+        &["4 elements", "[2]"],
+    );
+    // Omitted entirely: a missing-input error.
+    let f = Fwd::new();
+    let r = run(
+        Op::FusedBatchNormV3,
+        &[("x", &f.x), ("scale", &f.scale), ("offset", &f.offset)],
+        Attrs::new().is_training(false),
+    );
+    assert!(
+        matches!(r, Err(Error::MissingInput { ref name, .. }) if name == "mean"),
+        "{r:?}"
+    );
+}
+
+struct Grad {
+    dy: Tensor,
+    x: Tensor,
+    scale: Tensor,
+    rs1: Tensor,
+    rs2: Tensor,
+    rs3: Tensor,
+}
+
+impl Grad {
+    fn new() -> Self {
+        Grad {
+            dy: filled(&[2, 3, 3, 4], 1.0),
+            x: filled(&[2, 3, 3, 4], 2.0),
+            scale: vec1(&[1.0; 4]),
+            rs1: vec1(&[0.0; 4]),
+            rs2: vec1(&[1.0; 4]),
+            rs3: Tensor::new(vec![], vec![0.0f32]).unwrap(),
+        }
+    }
+
+    fn run(&self, op: Op, attrs: Attrs) -> fusedbn::Result<Outputs> {
+        let mut i = vec![
+            ("y_backprop", &self.dy),
+            ("x", &self.x),
+            ("scale", &self.scale),
+            ("reserve_space_1", &self.rs1),
+            ("reserve_space_2", &self.rs2),
+        ];
+        if op == Op::FusedBatchNormGradV3 {
+            i.push(("reserve_space_3", &self.rs3));
+        }
+        run(op, &i, attrs)
+    }
+}
+
+#[test]
+fn spec4_rule5_gradient_shapes() {
+    // TF's rank-0 reserve_space_3 is accepted.
+    Grad::new()
+        .run(Op::FusedBatchNormGradV3, Attrs::new())
+        .unwrap();
+    let mut g = Grad::new();
+    g.dy = filled(&[2, 3, 3, 5], 1.0);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "y_backprop",
+        &["shape of x", "[2, 3, 3, 5]"],
+    );
+    let mut g = Grad::new();
+    g.dy = filled(&[2, 3, 4], 1.0);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "y_backprop",
+        &["4-D"],
+    );
+    let mut g = Grad::new();
+    g.rs1 = vec1(&[0.0; 3]);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV2, Attrs::new()),
+        "reserve_space_1",
+        &["4 elements", "[3]"],
+    );
+    let mut g = Grad::new();
+    g.rs2 = vec1(&[]);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGrad, Attrs::new().is_training(false)),
+        "reserve_space_2",
+        &["4 elements", "[0]"],
+    );
+    let mut g = Grad::new();
+    g.rs3 = filled(&[1, 1], 0.0);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "reserve_space_3",
+        &["1-D", "[1, 1]"],
+    );
+    let mut g = Grad::new();
+    g.scale = vec1(&[1.0; 2]);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "scale",
+        &["4 elements", "[2]"],
+    );
+}
+
+#[test]
+fn spec4_rule6_data_format_and_op_version() {
+    assert!(matches!(
+        "NWHC".parse::<DataFormat>(),
+        Err(Error::UnknownDataFormat { .. })
+    ));
+    let mut a = Attrs::new();
+    let e = a.set("data_format", "nhwc").unwrap_err();
+    assert!(
+        e.to_string().contains("NHWC, NCHW, NDHWC, NCDHW") && e.to_string().contains("nhwc"),
+        "{e}"
+    );
+    let mut f = Fwd::new();
+    f.x = filled(&[1, 2, 3, 3, 4], 1.0);
+    for op in [Op::FusedBatchNorm, Op::FusedBatchNormV2] {
+        assert_arg_error(
+            f.run(op, Attrs::new().data_format(DataFormat::Ndhwc)),
+            "data_format",
+            &["V3", "NDHWC"],
+        );
+    }
+    f.run(
+        Op::FusedBatchNormV3,
+        Attrs::new().data_format(DataFormat::Ndhwc),
+    )
+    .unwrap();
+    assert!(Grad::new()
+        .run(
+            Op::FusedBatchNormGradV2,
+            Attrs::new().data_format(DataFormat::Ncdhw)
+        )
+        .is_err());
+}
+
+#[test]
+fn spec4_rule7_element_types() {
+    let mut f = Fwd::new();
+    f.x = Tensor::new(vec![2, 3, 3, 4], vec![f16::ONE; 72]).unwrap();
+    assert_arg_error(
+        f.run(Op::FusedBatchNorm, Attrs::new()),
+        "x",
+        &["f32", "V2 or V3", "f16"],
+    );
+    f.run(Op::FusedBatchNormV2, Attrs::new()).unwrap();
+    f.scale = Tensor::vector(vec![f16::ONE; 4]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new()),
+        "scale",
+        &["f32", "f16"],
+    );
+    let mut f = Fwd::new();
+    f.mean = Tensor::vector(vec![0.0f64; 4]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new().is_training(false)),
+        "mean",
+        &["f32", "f64"],
+    );
+
+    let mut g = Grad::new();
+    g.dy = Tensor::new(vec![2, 3, 3, 4], vec![bf16::ONE; 72]).unwrap();
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "x",
+        &["bf16", "f32"],
+    );
+    g.x = Tensor::new(vec![2, 3, 3, 4], vec![bf16::ONE; 72]).unwrap();
+    g.run(Op::FusedBatchNormGradV3, Attrs::new()).unwrap();
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGrad, Attrs::new()),
+        "y_backprop",
+        &["f32", "bf16"],
+    );
+    g.rs3 = Tensor::vector(vec![bf16::ONE]);
+    assert_arg_error(
+        g.run(Op::FusedBatchNormGradV3, Attrs::new()),
+        "reserve_space_3",
+        &["f32", "bf16"],
+    );
+}
+
+#[test]
+fn spec4_rules_are_checked_in_order() {
+    // Wrong rank of scale (rule 2) and wrong dtype of x (rule 7): rule 2 is reported.
+    let mut f = Fwd::new();
+    f.x = Tensor::new(vec![2, 3, 3, 4], vec![f16::ONE; 72]).unwrap();
+    f.scale = filled(&[2, 2], 1.0);
+    assert_arg_error(f.run(Op::FusedBatchNorm, Attrs::new()), "scale", &["1-D"]);
+    // Wrong length of offset (rule 3) and of mean in inference (rule 4): rule 3 first.
+    let mut f = Fwd::new();
+    f.offset = vec1(&[0.0; 2]);
+    f.mean = vec1(&[0.0; 2]);
+    assert_arg_error(
+        f.run(Op::FusedBatchNormV3, Attrs::new().is_training(false)),
+        "offset",
+        &[],
+    );
+}
+
+#[test]
+fn unknown_and_missing_inputs_and_ops() {
+    let f = Fwd::new();
+    let r = run(
+        Op::FusedBatchNormV3,
+        &[
+            ("x", &f.x),
+            ("scale", &f.scale),
+            ("offset", &f.offset),
+            ("y_backprop", &f.x),
+        ],
+        Attrs::new(),
+    );
+    assert!(
+        matches!(&r, Err(Error::UnknownInput { name, .. }) if name == "y_backprop"),
+        "{r:?}"
+    );
+    let r = run(
+        Op::FusedBatchNormV3,
+        &[("x", &f.x), ("offset", &f.offset)],
+        Attrs::new(),
+    );
+    assert!(
+        matches!(&r, Err(Error::MissingInput { name, .. }) if name == "scale"),
+        "{r:?}"
+    );
+    let e = "FusedBatchNormV4".parse::<Op>().unwrap_err();
+    assert!(e.to_string().contains("FusedBatchNormGradV3"), "{e}");
+    let e = Attrs::new().set("momentum", "0.9").unwrap_err();
+    assert!(e.to_string().contains("momentum"), "{e}");
+    assert!(Tensor::new(vec![2, 3], vec![0f32; 5]).is_err());
+    assert!(matches!(
+        Problem::new(DataFormat::Nhwc, &[usize::MAX, 2, 2, 2]),
+        Err(Error::TooLarge { .. })
+    ));
+}
+
+/// The typed layer checks every buffer before it writes anything.
+#[test]
+fn typed_layer_writes_nothing_on_error() {
+    let p = Problem::new(DataFormat::Nchw, &[2, 3, 2, 2]).unwrap();
+    let x = vec![1.5f32; 24];
+    let mut y = vec![7.0f32; 24];
+    let (mut mu, mut var) = (vec![7.0f32; 3], vec![7.0f32; 2]); // variance buffer too short
+    let e = p
+        .forward_training(
+            &x,
+            &[1.0; 3],
+            &[0.0; 3],
+            &mut y,
+            SavedStats {
+                mean: &mut mu,
+                variance: &mut var,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("reserve_space_2 (output): expected 3 elements"),
+        "{e}"
+    );
+    assert!(y.iter().chain(&mu).chain(&var).all(|&v| v == 7.0));
+
+    let mut dx = vec![7.0f32; 23];
+    let (mut ds, mut db) = (vec![7.0f32; 3], vec![7.0f32; 3]);
+    let e = p
+        .backward_training(
+            &x,
+            &x,
+            &[1.0; 3],
+            &[0.0; 3],
+            &[1.0; 3],
+            Gradients {
+                x: &mut dx,
+                scale: &mut ds,
+                offset: &mut db,
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("x_backprop (output)"), "{e}");
+    assert!(dx.iter().chain(&ds).chain(&db).all(|&v| v == 7.0));
+}
