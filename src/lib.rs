@@ -1,4 +1,42 @@
-//! TensorFlow-exact fused batch normalization.
+//! TensorFlow-exact fused batch normalization for the CPU: the forward pass and its
+//! gradient, with the behaviour of TensorFlow's `FusedBatchNorm*` and
+//! `FusedBatchNormGrad*` ops (V1, V2, V3), in NHWC, NCHW, NDHWC and NCDHW, for `f32`,
+//! `f16` and `bf16` data with `f32` statistics (and `f64`), in training and inference.
+//!
+//! A training step — forward with batch statistics, then the gradient:
+//!
+//! ```
+//! use fusedbn::{DataFormat, Problem, batch_norm::{Gradients, SavedStats}};
+//! let p = Problem::new(DataFormat::Nhwc, &[2, 4, 4, 3])?.with_epsilon(1e-3);
+//! let x: Vec<f32> = (0..p.len()).map(|i| (i % 7) as f32).collect();
+//! let (scale, offset) = (vec![1.0f32; 3], vec![0.0f32; 3]);
+//! let (mut y, mut mean, mut var) = (vec![0.0; p.len()], vec![0.0; 3], vec![0.0; 3]);
+//! p.forward_training(&x, &scale, &offset, &mut y, SavedStats { mean: &mut mean, variance: &mut var }, None)?;
+//! let dy = vec![0.5f32; p.len()]; // the upstream gradient
+//! let (mut dx, mut dscale, mut doffset) = (vec![0.0; p.len()], vec![0.0; 3], vec![0.0; 3]);
+//! p.backward_training(&dy, &x, &scale, &mean, &var, Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset })?;
+//! assert_eq!(doffset, [16.0; 3]); // Σdy over the 32 elements of each channel
+//! # Ok::<(), fusedbn::Error>(())
+//! ```
+//!
+//! # Layers
+//!
+//! - [`ops`] — the TensorFlow-op layer: [`ops::Op`] by TF's name, named inputs and
+//!   outputs, [`ops::Attrs`] with TF's defaults, over the dynamically typed [`Tensor`].
+//!   Validates in SPEC §4's order and dispatches on the element type.
+//! - [`batch_norm`] — the typed, zero-copy layer: methods of [`Problem`] over slices,
+//!   generic in the [`Element`] type, writing into caller-owned buffers.
+//! - [`kernels`] — the passes (statistics, apply, backward reduce, backward apply)
+//!   over a per-channel [`kernels::Geometry`]; multithreaded with rayon, results
+//!   independent of the thread count.
+//! - [`reference`](mod@reference) — the `f64` oracle the tests compare everything against.
+//! - [`npy`] — NumPy `.npy` reading and writing (bfloat16 as numpy + ml_dtypes stores it).
+//!
+//! No input makes the library panic, and an op that returns an error has written no
+//! output.
+
+#![warn(missing_docs)]
+
 pub mod batch_norm;
 pub mod element;
 pub mod error;

@@ -124,7 +124,8 @@ pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String
             continue;
         }
         let tol = 1e-4 * scale + ulp * b.abs().max(a.abs());
-        if !((a - b).abs() <= tol) {
+        let within = (a - b).abs() <= tol; // false for NaN
+        if !within {
             return Err(format!(
                 "{what}[{i}]: got {a}, expected {b} (tolerance {tol:.3e})"
             ));
