@@ -49,5 +49,7 @@ pub mod tensor;
 
 pub use element::{Element, Real};
 pub use error::{Error, Result};
+/// The half-precision element types (re-exported from the `half` crate).
+pub use half::{bf16, f16};
 pub use problem::{DataFormat, Problem, DEFAULT_EPSILON};
 pub use tensor::{DType, Tensor, TensorData};

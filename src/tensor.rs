@@ -30,6 +30,18 @@ impl DType {
         }
     }
 
+    /// Unit roundoff: half the distance from 1 to the next value (2^-11 for f16,
+    /// 2^-8 for bf16, 2^-24 for f32, 2^-53 for f64). Rounding to this type changes a
+    /// value `v` by at most `epsilon()·|v|`.
+    pub fn epsilon(self) -> f64 {
+        match self {
+            DType::F16 => 2f64.powi(-11),
+            DType::BF16 => 2f64.powi(-8),
+            DType::F32 => 2f64.powi(-24),
+            DType::F64 => 2f64.powi(-53),
+        }
+    }
+
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
@@ -48,6 +60,22 @@ impl fmt::Display for DType {
             DType::F32 => "f32",
             DType::F64 => "f64",
         })
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = Error;
+    /// Parses `f16`, `bf16`, `f32`, `f64` (also TensorFlow's `half`, `bfloat16`,
+    /// `float`, `double`).
+    fn from_str(s: &str) -> Result<Self> {
+        [DType::F16, DType::BF16, DType::F32, DType::F64]
+            .into_iter()
+            .find(|d| d.to_string() == s || d.tf_name() == s)
+            .ok_or_else(|| Error::InvalidAttr {
+                name: "dtype".into(),
+                expected: "one of f16, bf16, f32, f64".into(),
+                found: s.into(),
+            })
     }
 }
 

@@ -81,14 +81,9 @@ fn load(dir: &Path) -> Case {
     }
 }
 
-/// Machine epsilon of a data type (half the spacing of values in [1, 2)).
+/// Unit roundoff of a data type.
 pub fn eps(d: DType) -> f64 {
-    match d {
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-        DType::F32 => 2f64.powi(-24),
-        DType::F64 => 2f64.powi(-53),
-    }
+    d.epsilon()
 }
 
 /// Checks `got` against TensorFlow's `expected`: same dtype and shape, NaN where

@@ -1,0 +1,258 @@
+//! `fusedbn run`: one TensorFlow op over `.npy` files.
+//!
+//! Everything is validated and computed in memory before the first byte is written;
+//! if writing still fails part-way, the files (and directories) this invocation
+//! created are removed again.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use fusedbn::ops::{Attrs, Inputs, Op, Outputs};
+use fusedbn::{npy, DataFormat, Tensor};
+
+use crate::error::{CliError, Result};
+
+/// Arguments of `fusedbn run`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = short_help(),
+    after_long_help = long_help(),
+)]
+pub struct RunArgs {
+    /// The TensorFlow op name (listed below)
+    #[arg(value_name = "OP")]
+    pub op: String,
+
+    /// An input tensor: TensorFlow's input name and a .npy file (repeatable).
+    #[arg(long = "input", value_name = "NAME=FILE.npy")]
+    pub inputs: Vec<String>,
+
+    /// An attribute: epsilon, data_format, is_training, exponential_avg_factor (repeatable).
+    #[arg(long = "attr", value_name = "KEY=VALUE")]
+    pub attrs: Vec<String>,
+
+    /// Directory for the outputs, one <output_name>.npy each (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+}
+
+/// Runs `fusedbn run`.
+pub fn run(args: &RunArgs) -> Result<()> {
+    let op: Op = args.op.parse()?;
+    let attrs = parse_attrs(op, &args.attrs)?;
+    let inputs = parse_inputs(op, &args.inputs)?;
+    if args.out.exists() && !args.out.is_dir() {
+        return Err(CliError::new(format!(
+            "--out {}: exists and is not a directory",
+            args.out.display()
+        )));
+    }
+    let tensors = inputs
+        .iter()
+        .map(|(name, path)| {
+            npy::read(path).map_err(|e| CliError::new(format!("input {name}: {e}")))
+        })
+        .collect::<Result<Vec<Tensor>>>()?;
+    let mut named = Inputs::new();
+    for ((name, _), t) in inputs.iter().zip(&tensors) {
+        named.insert(name, t);
+    }
+    let outputs = op.run(&named, &attrs)?;
+    write_outputs(&args.out, &outputs)
+}
+
+/// Splits `KEY=VALUE`; `what` names the flag for the error message.
+fn split_pair<'a>(what: &str, meta: &str, s: &'a str) -> Result<(&'a str, &'a str)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k, v)),
+        _ => Err(CliError::new(format!("{what} {s:?}: expected {meta}"))),
+    }
+}
+
+/// Parses `--attr KEY=VALUE` flags onto TensorFlow's defaults.
+fn parse_attrs(op: Op, flags: &[String]) -> Result<Attrs> {
+    let mut attrs = Attrs::new();
+    let mut seen = HashSet::new();
+    for flag in flags {
+        let (key, value) = split_pair("--attr", "KEY=VALUE", flag)?;
+        if !op.attr_names().contains(&key) {
+            return Err(CliError::new(format!(
+                "{op} has no attribute {key:?}: its attributes are {}",
+                op.attr_names().join(", ")
+            )));
+        }
+        if !seen.insert(key) {
+            return Err(CliError::new(format!(
+                "attribute {key} given more than once"
+            )));
+        }
+        attrs.set(key, value)?;
+    }
+    Ok(attrs)
+}
+
+/// Parses `--input NAME=FILE` flags; names are checked against the op's inputs here so
+/// that a misspelt name is reported before any file is read.
+fn parse_inputs(op: Op, flags: &[String]) -> Result<Vec<(String, PathBuf)>> {
+    let mut out: Vec<(String, PathBuf)> = Vec::new();
+    for flag in flags {
+        let (name, path) = split_pair("--input", "NAME=FILE.npy", flag)?;
+        if !op.input_names().contains(&name) {
+            return Err(fusedbn::Error::UnknownInput {
+                op: op.name().into(),
+                name: name.into(),
+                expected: op.input_names().join(", "),
+            }
+            .into());
+        }
+        if out.iter().any(|(n, _)| n == name) {
+            return Err(CliError::new(format!("input {name} given more than once")));
+        }
+        out.push((name.to_string(), PathBuf::from(path)));
+    }
+    Ok(out)
+}
+
+/// Writes every output as `dir/<name>.npy`. On failure, removes what this call wrote
+/// and the directories it created, then reports the error.
+fn write_outputs(dir: &Path, outputs: &Outputs) -> Result<()> {
+    let created = create_dirs(dir)?;
+    let mut written: Vec<PathBuf> = Vec::new();
+    for (name, t) in outputs.iter() {
+        let path = dir.join(format!("{name}.npy"));
+        let existed = path.exists();
+        if let Err(e) = npy::write(&path, t) {
+            if !existed {
+                let _ = fs::remove_file(&path); // a partly written file, if any
+            }
+            for p in written.iter().rev() {
+                let _ = fs::remove_file(p);
+            }
+            for d in created.iter().rev() {
+                let _ = fs::remove_dir(d);
+            }
+            return Err(CliError::new(format!("output {name}: {e}")));
+        }
+        written.push(path);
+    }
+    Ok(())
+}
+
+/// Creates `dir` and any missing parents; returns the directories it created,
+/// outermost first.
+fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut missing = Vec::new();
+    let mut p = Some(dir);
+    while let Some(d) = p {
+        if d.as_os_str().is_empty() || d.exists() {
+            break;
+        }
+        missing.push(d.to_path_buf());
+        p = d.parent();
+    }
+    missing.reverse();
+    if let Err(e) = fs::create_dir_all(dir) {
+        for d in missing.iter().rev() {
+            let _ = fs::remove_dir(d);
+        }
+        return Err(CliError::new(format!(
+            "--out {}: could not create the directory: {e}",
+            dir.display()
+        )));
+    }
+    Ok(missing)
+}
+
+const EXAMPLE: &str = "fusedbn run FusedBatchNormV3 --input x=x.npy --input scale=scale.npy \
+--input offset=offset.npy --attr epsilon=0.001 --attr data_format=NCHW --out out/";
+
+/// `fusedbn run -h`: the op names and a pointer to `--help`.
+fn short_help() -> String {
+    let names: Vec<&str> = Op::ALL.iter().map(|op| op.name()).collect();
+    format!(
+        "Ops: {}\n\nExample: {EXAMPLE}\n\nRun `fusedbn run --help` for every op's inputs, outputs and attributes.",
+        names.join(", ")
+    )
+}
+
+/// The default of attribute `name`, read from [`Attrs::default`].
+fn attr_default(name: &str, a: &Attrs) -> String {
+    match name {
+        "epsilon" => a.epsilon.to_string(),
+        "data_format" => a.data_format.to_string(),
+        "is_training" => a.is_training.to_string(),
+        "exponential_avg_factor" => a.exponential_avg_factor.to_string(),
+        _ => "(none)".to_string(),
+    }
+}
+
+/// The values attribute `name` accepts.
+fn attr_values(name: &str) -> String {
+    match name {
+        "data_format" => DataFormat::ALL.map(DataFormat::as_str).join(" | "),
+        "is_training" => "true | false".to_string(),
+        _ => "a decimal number".to_string(),
+    }
+}
+
+/// `fusedbn run --help`: every op with its inputs, outputs, attributes, element types
+/// and formats, generated from the library's tables.
+pub fn long_help() -> String {
+    let mut s = String::from(
+        "Ops (give each input as --input NAME=FILE.npy; every output is written as DIR/<output>.npy):\n",
+    );
+    for op in Op::ALL {
+        let dtypes: Vec<String> = op.dtypes().iter().map(|d| d.to_string()).collect();
+        let formats: Vec<&str> = op.formats().iter().map(|f| f.as_str()).collect();
+        let _ = writeln!(s, "\n  {op}");
+        let _ = writeln!(s, "    inputs:      {}", op.input_names().join(", "));
+        let _ = writeln!(s, "    outputs:     {}", op.output_names().join(", "));
+        let _ = writeln!(s, "    attrs:       {}", op.attr_names().join(", "));
+        let _ = writeln!(s, "    x dtypes:    {}", dtypes.join(", "));
+        let _ = writeln!(s, "    data_format: {}", formats.join(", "));
+    }
+    let defaults = Attrs::default();
+    let mut names: Vec<&str> = Vec::new();
+    for op in Op::ALL {
+        for &a in op.attr_names() {
+            if !names.contains(&a) {
+                names.push(a);
+            }
+        }
+    }
+    s.push_str("\nAttributes (--attr KEY=VALUE):\n");
+    for name in names {
+        let only: Vec<&str> = Op::ALL
+            .iter()
+            .filter(|op| op.attr_names().contains(&name))
+            .map(|op| op.name())
+            .collect();
+        let scope = if only.len() == Op::ALL.len() {
+            String::new()
+        } else {
+            format!(" (only {})", only.join(", "))
+        };
+        let _ = writeln!(
+            s,
+            "  {name} = {}: default {}{scope}",
+            attr_values(name),
+            attr_default(name, &defaults)
+        );
+    }
+    s.push_str(
+        "\nInputs the op does not read in the requested mode may be left out: mean and variance\n\
+         in training with exponential_avg_factor = 1, and reserve_space_3 of FusedBatchNormGradV3.\n\
+         scale, offset, mean, variance and the reserve spaces are f32 (f64 when x is f64).\n\
+         \n\
+         .npy element types: f32 '<f4', f64 '<f8', f16 '<f2'; bfloat16 files are the ones\n\
+         numpy + ml_dtypes writes, dtype '<V2' (the raw 16-bit pattern, little-endian).\n\
+         \n\
+         Invalid input prints one line `fusedbn: error: ...` on stderr, exits with status 2\n\
+         and writes nothing.\n",
+    );
+    let _ = write!(s, "\nExample:\n  {EXAMPLE}");
+    s
+}

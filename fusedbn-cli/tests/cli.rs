@@ -1,0 +1,489 @@
+//! The `fusedbn` binary end to end: every golden fixture through `fusedbn run`, the
+//! error contract (status 2, one line, nothing written), `--help`, and `fusedbn bench`.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use fusedbn::f16;
+use fusedbn::ops::Op;
+use fusedbn::{npy, Tensor};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fusedbn");
+
+fn fusedbn(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("the fusedbn binary runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The names of the files directly in `dir`.
+fn listing(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .expect("out dir is readable")
+        .map(|e| {
+            e.expect("dir entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
+#[test]
+fn every_fixture_through_the_binary() {
+    let cases = common::cases();
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let mut failures = Vec::new();
+    for case in &cases {
+        let out = tmp.path().join(&case.name);
+        let mut cmd = Command::new(BIN);
+        cmd.arg("run").arg(case.op.name());
+        for (name, path) in &case.inputs {
+            cmd.arg("--input").arg(format!("{name}={}", path.display()));
+        }
+        for (k, v) in &case.attr_strings {
+            cmd.arg("--attr").arg(format!("{k}={v}"));
+        }
+        cmd.arg("--out").arg(&out);
+        let o = cmd.output().expect("the fusedbn binary runs");
+        if !o.status.success() {
+            failures.push(format!(
+                "{}: exit {:?}: {}",
+                case.name,
+                o.status.code(),
+                text(&o.stderr).trim()
+            ));
+            continue;
+        }
+        assert!(
+            o.stderr.is_empty(),
+            "{}: stderr {}",
+            case.name,
+            text(&o.stderr)
+        );
+        let want: BTreeSet<String> = case
+            .op
+            .output_names()
+            .iter()
+            .map(|n| format!("{n}.npy"))
+            .collect();
+        let got = listing(&out);
+        if got != want {
+            failures.push(format!(
+                "{}: out dir holds {got:?}, expected {want:?}",
+                case.name
+            ));
+            continue;
+        }
+        for (name, path) in &case.expected {
+            let expected = npy::read(path).expect("fixture output reads");
+            let got = match npy::read(out.join(format!("{name}.npy"))) {
+                Ok(t) => t,
+                Err(e) => {
+                    failures.push(format!("{}: {e}", case.name));
+                    continue;
+                }
+            };
+            if let Err(e) = common::compare(name, &got, &expected) {
+                failures.push(format!("{}: {e}", case.name));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} fixtures failed through the binary:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// Files for the error cases: a small valid forward problem plus broken variants.
+struct Files {
+    dir: tempfile::TempDir,
+}
+
+impl Files {
+    fn new() -> Self {
+        let f = Files {
+            dir: tempfile::tempdir().expect("temp dir"),
+        };
+        let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
+        f.put("x.npy", &Tensor::new(vec![1, 2, 2, 3], x.clone()).unwrap());
+        f.put("scale.npy", &Tensor::vector(vec![1.0f32, 2.0, 0.5]));
+        f.put("offset.npy", &Tensor::vector(vec![0.0f32, 0.1, -0.1]));
+        f.put("scale2.npy", &Tensor::vector(vec![1.0f32, 2.0]));
+        let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        f.put("x_f16.npy", &Tensor::new(vec![1, 2, 2, 3], xh).unwrap());
+        std::fs::write(f.path("garbage.npy"), b"this is not an npy file\n").unwrap();
+        std::fs::write(
+            f.path("int.npy"),
+            npy_bytes(
+                "{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }",
+                &[0; 12],
+            ),
+        )
+        .unwrap();
+        f
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn put(&self, name: &str, t: &Tensor) {
+        npy::write(self.path(name), t).expect("writes test input");
+    }
+
+    /// `name=<dir>/file`.
+    fn input(&self, name: &str, file: &str) -> String {
+        format!("{name}={}", self.path(file).display())
+    }
+}
+
+/// A version 1.0 `.npy` file with the given header dict and data bytes.
+fn npy_bytes(dict: &str, data: &[u8]) -> Vec<u8> {
+    let mut header = dict.to_string();
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// Runs `fusedbn run <args> --out <fresh dir>` and checks the error contract; returns
+/// the message.
+fn run_fails(args: &[String]) -> String {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let out = tmp.path().join("out");
+    let mut cmd = Command::new(BIN);
+    cmd.arg("run").args(args).arg("--out").arg(&out);
+    let o = cmd.output().expect("the fusedbn binary runs");
+    let stderr = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: stderr {stderr}");
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: not one line: {stderr}"
+    );
+    assert!(stderr.starts_with("fusedbn: error: "), "{args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert!(o.stdout.is_empty(), "{args:?}: stdout {}", text(&o.stdout));
+    assert!(!out.exists(), "{args:?}: created the --out dir");
+    stderr
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// A forward inference call with `x` from `x_file` and a valid scale/offset, and
+/// `extra` flags.
+fn forward(f: &Files, op: &str, x_file: &str, scale_file: &str, extra: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        op.to_string(),
+        "--input".into(),
+        f.input("x", x_file),
+        "--input".into(),
+        f.input("scale", scale_file),
+        "--input".into(),
+        f.input("offset", "offset.npy"),
+    ];
+    v.extend(strings(extra));
+    v
+}
+
+#[test]
+fn the_inputs_of_the_error_cases_are_valid() {
+    // Sanity: the valid variant of the error cases succeeds, so each failure below is
+    // caused by the one thing it changes.
+    let f = Files::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a/b");
+    let mut args = forward(&f, "FusedBatchNormV3", "x.npy", "scale.npy", &[]);
+    args.extend(strings(&["--attr", "epsilon=0.001", "--out"]));
+    args.push(out.display().to_string());
+    let o = Command::new(BIN).arg("run").args(&args).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(
+        listing(&out).len(),
+        Op::FusedBatchNormV3.output_names().len()
+    );
+}
+
+#[test]
+fn error_unknown_op() {
+    let msg = run_fails(&strings(&["FusedBatchNormV4"]));
+    assert!(msg.contains("FusedBatchNormV4"), "{msg}");
+}
+
+#[test]
+fn error_unknown_input_name() {
+    let f = Files::new();
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNorm",
+        "x.npy",
+        "scale.npy",
+        &["--input", &f.input("gamma", "scale.npy")],
+    ));
+    assert!(msg.contains("gamma"), "{msg}");
+}
+
+#[test]
+fn error_missing_required_input() {
+    // Inference needs mean and variance.
+    let f = Files::new();
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNorm",
+        "x.npy",
+        "scale.npy",
+        &["--attr", "is_training=false"],
+    ));
+    assert!(msg.contains("mean"), "{msg}");
+}
+
+#[test]
+fn error_bad_attr_values() {
+    let f = Files::new();
+    for attr in [
+        "is_training=maybe",
+        "data_format=NCWH",
+        "epsilon=abc",
+        "epsilon",
+        "exponential_avg_factor=",
+    ] {
+        let msg = run_fails(&forward(
+            &f,
+            "FusedBatchNormV3",
+            "x.npy",
+            "scale.npy",
+            &["--attr", attr],
+        ));
+        let key = attr.split('=').next().unwrap();
+        assert!(msg.contains(key), "{attr}: {msg}");
+    }
+}
+
+#[test]
+fn error_unknown_attr() {
+    let f = Files::new();
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNormV3",
+        "x.npy",
+        "scale.npy",
+        &["--attr", "momentum=0.9"],
+    ));
+    assert!(msg.contains("momentum"), "{msg}");
+}
+
+#[test]
+fn error_exponential_avg_factor_on_a_gradient_op() {
+    let msg = run_fails(&strings(&[
+        "FusedBatchNormGradV3",
+        "--attr",
+        "exponential_avg_factor=0.5",
+    ]));
+    assert!(msg.contains("exponential_avg_factor"), "{msg}");
+}
+
+#[test]
+fn error_duplicates() {
+    let f = Files::new();
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNorm",
+        "x.npy",
+        "scale.npy",
+        &["--input", &f.input("x", "x.npy")],
+    ));
+    assert!(msg.contains("more than once"), "{msg}");
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNorm",
+        "x.npy",
+        "scale.npy",
+        &["--attr", "epsilon=0.1", "--attr", "epsilon=0.1"],
+    ));
+    assert!(msg.contains("more than once"), "{msg}");
+}
+
+#[test]
+fn error_unreadable_files() {
+    let f = Files::new();
+    for (file, words) in [
+        ("does_not_exist.npy", "could not read"),
+        ("garbage.npy", "not a valid .npy file"),
+        ("int.npy", "'<i4'"),
+    ] {
+        let msg = run_fails(&forward(&f, "FusedBatchNorm", file, "scale.npy", &[]));
+        assert!(msg.contains(words) && msg.contains(file), "{file}: {msg}");
+    }
+}
+
+#[test]
+fn error_spec_violations() {
+    let f = Files::new();
+    // §4 rule 3: scale has 2 elements, x has 3 channels.
+    let msg = run_fails(&forward(&f, "FusedBatchNorm", "x.npy", "scale2.npy", &[]));
+    assert!(msg.contains("scale"), "{msg}");
+    // §4 rule 7: V1 is f32 only.
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNorm",
+        "x_f16.npy",
+        "scale.npy",
+        &[],
+    ));
+    assert!(msg.contains("f16"), "{msg}");
+    // The 4-D op with a 5-D format.
+    let msg = run_fails(&forward(
+        &f,
+        "FusedBatchNormV2",
+        "x.npy",
+        "scale.npy",
+        &["--attr", "data_format=NDHWC"],
+    ));
+    assert!(msg.contains("data_format"), "{msg}");
+}
+
+#[test]
+fn an_existing_out_dir_stays_empty_on_error() {
+    let f = Files::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = forward(&f, "FusedBatchNorm", "x.npy", "scale2.npy", &["--out"]);
+    args.push(tmp.path().display().to_string());
+    let o = Command::new(BIN).arg("run").args(&args).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(listing(tmp.path()).is_empty());
+}
+
+#[test]
+fn a_failed_write_removes_what_was_written() {
+    // `batch_mean.npy` is a directory, so writing it fails after `y.npy` was written.
+    let f = Files::new();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir(tmp.path().join("batch_mean.npy")).unwrap();
+    let mut args = forward(&f, "FusedBatchNorm", "x.npy", "scale.npy", &["--out"]);
+    args.push(tmp.path().display().to_string());
+    let o = Command::new(BIN).arg("run").args(&args).output().unwrap();
+    let stderr = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("fusedbn: error: output batch_mean"),
+        "{stderr}"
+    );
+    assert_eq!(
+        listing(tmp.path()),
+        BTreeSet::from(["batch_mean.npy".to_string()])
+    );
+}
+
+#[test]
+fn usage_errors_do_not_panic() {
+    for args in [
+        &["run"][..],
+        &["run", "FusedBatchNorm"],
+        &["bench", "--runs", "0"],
+        &["nope"],
+    ] {
+        let o = fusedbn(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(!text(&o.stderr).contains("panicked"), "{args:?}");
+    }
+}
+
+#[test]
+fn run_help_lists_every_op_and_input() {
+    let o = fusedbn(&["run", "--help"]);
+    assert!(o.status.success());
+    let help = text(&o.stdout);
+    for op in Op::ALL {
+        assert!(help.contains(op.name()), "{op} missing from:\n{help}");
+        for name in op
+            .input_names()
+            .iter()
+            .chain(op.output_names())
+            .chain(op.attr_names())
+        {
+            assert!(help.contains(name), "{name} missing from:\n{help}");
+        }
+    }
+    assert!(help.contains("'<V2'"), "{help}");
+    assert!(help.contains("0.0001"), "{help}");
+}
+
+const BENCH_SMALL: [&str; 10] = [
+    "bench", "--quick", "--runs", "1", "--shape", "2,5,5,3", "--format", "NHWC", "--format", "NCHW",
+];
+
+#[test]
+fn bench_prints_a_checked_table() {
+    let o = fusedbn(&BENCH_SMALL);
+    let stdout = text(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", text(&o.stderr));
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("2x")).collect();
+    assert_eq!(rows.len(), 6, "{stdout}");
+    for row in rows {
+        assert!(row.ends_with(" ok"), "{row}");
+    }
+    assert!(
+        stdout.contains("2x5x5x3") && stdout.contains("2x3x5x5"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bench_json_lines() {
+    let mut args = BENCH_SMALL.to_vec();
+    args.extend([
+        "--op",
+        "backward_inference",
+        "--op",
+        "forward_training",
+        "--dtype",
+        "bf16",
+        "--json",
+    ]);
+    let o = fusedbn(&args);
+    let stdout = text(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", text(&o.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    for line in lines {
+        let j: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        for key in [
+            "op",
+            "format",
+            "dtype",
+            "shape",
+            "threads",
+            "isa",
+            "median_ms",
+            "gbps",
+            "copy_ratio",
+        ] {
+            assert!(j.get(key).is_some(), "{key} missing from {line}");
+        }
+        assert_eq!(j["dtype"], "bf16");
+        assert_eq!(j["isa"], "scalar");
+        assert_eq!(j["check"], "ok");
+        assert_eq!(j["shape"].as_array().map(Vec::len), Some(4));
+    }
+}
