@@ -53,3 +53,8 @@ pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use problem::{DataFormat, Problem, DEFAULT_EPSILON};
 pub use tensor::{DType, Tensor, TensorData};
+
+/// The README's example, compiled and run as a doc test.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -679,3 +679,51 @@ fn typed_layer_writes_nothing_on_error() {
     assert!(e.to_string().contains("x_backprop (output)"), "{e}");
     assert!(dx.iter().chain(&ds).chain(&db).all(|&v| v == 7.0));
 }
+
+// ---------------------------------------------------------------- no input panics
+
+mod no_panic {
+    use super::*;
+    use fusedbn::DType;
+    use proptest::prelude::*;
+
+    fn tensor() -> impl Strategy<Value = Tensor> {
+        let dtype = prop::sample::select(vec![DType::F16, DType::BF16, DType::F32, DType::F64]);
+        (prop::collection::vec(0usize..4, 0..6), dtype, any::<f32>()).prop_map(|(shape, d, v)| {
+            let n: usize = shape.iter().product();
+            match d {
+                DType::F16 => Tensor::new(shape, vec![f16::from_f32(v); n]),
+                DType::BF16 => Tensor::new(shape, vec![bf16::from_f32(v); n]),
+                DType::F32 => Tensor::new(shape, vec![v; n]),
+                DType::F64 => Tensor::new(shape, vec![v as f64; n]),
+            }
+            .unwrap()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, .. ProptestConfig::default() })]
+
+        /// Arbitrary tensors under arbitrary input names: an error or a complete result,
+        /// never a panic.
+        #[test]
+        fn arbitrary_inputs_never_panic(
+            op in prop::sample::select(Op::ALL.to_vec()),
+            format in prop::sample::select(DataFormat::ALL.to_vec()),
+            training: bool,
+            factor in prop_oneof![Just(1.0f32), any::<f32>()],
+            eps in any::<f32>(),
+            tensors in prop::collection::vec((0usize..10, tensor()), 0..8),
+        ) {
+            let names = ["x", "scale", "offset", "mean", "variance", "y_backprop", "reserve_space_1", "reserve_space_2", "reserve_space_3", "bogus"];
+            let mut inputs = Inputs::new();
+            for (i, t) in &tensors {
+                inputs.insert(names[*i], t);
+            }
+            let attrs = Attrs::new().data_format(format).is_training(training).exponential_avg_factor(factor).epsilon(eps);
+            if let Ok(out) = op.run(&inputs, &attrs) {
+                prop_assert_eq!(out.names().collect::<Vec<_>>(), op.output_names().to_vec());
+            }
+        }
+    }
+}
