@@ -6,7 +6,7 @@
 
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
-use crate::kernels::{apply, backward, stats};
+use crate::kernels::{apply, fused};
 use crate::problem::Problem;
 
 /// Where [`Problem::forward_training`] writes the batch statistics that the gradient
@@ -117,17 +117,17 @@ impl Problem {
             }
             return Ok(());
         }
-        let g = self.geometry();
-        let moments = stats::channel_moments(g, x);
         let m = self.elements_per_channel() as f64;
         let adj = m / (m - 1.0).max(1.0);
         let eps = f64::from(self.epsilon());
-        let mut a = vec![T::Stat::ZERO; self.channels()];
+        // y = (x − μ)·scale/√(σ² + ε) + offset, with μ rounded to U as it is saved.
+        let moments = fused::forward_training(self.geometry(), self.isa(), x, y, |c, mo| {
+            let a = scale[c].to_f64() / (mo.variance() + eps).sqrt();
+            [T::Stat::from_f64(mo.mean), T::Stat::from_f64(a), offset[c]]
+        });
         for (c, mo) in moments.iter().enumerate() {
-            let var = mo.variance();
             saved.mean[c] = T::Stat::from_f64(mo.mean);
-            saved.variance[c] = T::Stat::from_f64(var);
-            a[c] = T::Stat::from_f64(scale[c].to_f64() / (var + eps).sqrt());
+            saved.variance[c] = T::Stat::from_f64(mo.variance());
         }
         if let Some(r) = running {
             let f = f64::from(r.factor);
@@ -145,7 +145,6 @@ impl Problem {
                 r.variance[c] = T::Stat::from_f64(variance);
             }
         }
-        apply::affine(g, x, saved.mean, &a, offset, y);
         Ok(())
     }
 
@@ -180,7 +179,7 @@ impl Problem {
             return Ok(());
         }
         let a = self.scale_rsqrt(scale, variance);
-        apply::affine(self.geometry(), x, mean, &a, offset, y);
+        apply::affine(self.geometry(), self.isa(), x, mean, &a, offset, y);
         Ok(())
     }
 
@@ -259,28 +258,25 @@ impl Problem {
             grads.offset.fill(T::Stat::ZERO);
             return Ok(());
         }
-        let g = self.geometry();
-        let sums = backward::reduce(g, dy, x, rs1);
+        let (g, isa) = (self.geometry(), self.isa());
         let eps = f64::from(self.epsilon());
         let m = self.elements_per_channel() as f64;
-        let c = self.channels();
-        let zero = T::Stat::ZERO;
-        let (mut k1, mut k2, mut dy_mean) = (vec![zero; c], vec![zero; c], vec![zero; c]);
-        for ch in 0..c {
-            let r = 1.0 / (rs2[ch].to_f64() + eps).sqrt();
-            let (sdy, sdx) = (sums.sum_dy[ch], sums.sum_dy_xc[ch]);
-            let s = scale[ch].to_f64() * r;
-            grads.offset[ch] = T::Stat::from_f64(sdy);
-            grads.scale[ch] = T::Stat::from_f64(r * sdx);
-            k1[ch] = T::Stat::from_f64(s);
-            k2[ch] = T::Stat::from_f64(-s * r * r * sdx / m);
-            dy_mean[ch] = T::Stat::from_f64(sdy / m);
-        }
-        if is_training {
-            backward::apply(g, dy, x, &dy_mean, rs1, &k1, &k2, grads.x);
+        let r = |c: usize| 1.0 / (rs2[c].to_f64() + eps).sqrt();
+        let sums = if is_training {
+            // dx = scale·r·(dy − Σdy/M − (x − μ)·r²·Σdy(x − μ)/M)
+            fused::backward_training(g, isa, dy, x, rs1, grads.x, |c, sdy, sdx| {
+                let (r, u) = (r(c), T::Stat::from_f64);
+                let k1 = scale[c].to_f64() * r;
+                [u(sdy / m), u(k1), u(-k1 * r * r * sdx / m)]
+            })
         } else {
-            // dx = dy·scale·r: the forward apply pass with no shift and no offset.
-            apply::affine(g, dy, &vec![zero; c], &k1, &vec![zero; c], grads.x);
+            // dx = dy·scale·r
+            let k1 = self.scale_rsqrt(scale, rs2);
+            fused::backward_inference(g, isa, dy, x, rs1, &k1, grads.x)
+        };
+        for c in 0..self.channels() {
+            grads.offset[c] = T::Stat::from_f64(sums.sum_dy[c]);
+            grads.scale[c] = T::Stat::from_f64(r(c) * sums.sum_dy_xc[c]);
         }
         Ok(())
     }

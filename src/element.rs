@@ -22,7 +22,8 @@ mod sealed {
 /// Scale, offset, mean, variance, the reserve spaces and the 1-D gradients have
 /// this type, and every element of `x` is widened to it before any arithmetic.
 pub trait Real:
-    Element<Stat = Self>
+    crate::kernels::simd::Dispatch
+    + Element<Stat = Self>
     + Add<Output = Self>
     + Sub<Output = Self>
     + Mul<Output = Self>

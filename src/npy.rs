@@ -456,7 +456,7 @@ mod tests {
     /// A hand-built `.npy` file: `dict` is the header dict, `data` the raw data.
     fn npy_file(dict: &str, data: &[u8]) -> Vec<u8> {
         let mut text = dict.as_bytes().to_vec();
-        while (10 + text.len() + 1) % 64 != 0 {
+        while !(10 + text.len() + 1).is_multiple_of(64) {
             text.push(b' ');
         }
         text.push(b'\n');

@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{Error, Result};
+use crate::kernels::simd::Isa;
 use crate::kernels::Geometry;
 use crate::tensor::numel;
 
@@ -106,6 +107,7 @@ pub struct Problem {
     shape: Vec<usize>,
     epsilon: f32,
     geometry: Geometry,
+    isa: Isa,
 }
 
 impl Problem {
@@ -129,6 +131,7 @@ impl Problem {
             shape: shape.to_vec(),
             epsilon: DEFAULT_EPSILON,
             geometry: Geometry::new(outer, c, inner),
+            isa: Isa::default_isa(),
         })
     }
 
@@ -136,6 +139,39 @@ impl Problem {
     pub fn with_epsilon(mut self, epsilon: f32) -> Self {
         self.epsilon = epsilon;
         self
+    }
+
+    /// The same problem run with the kernels of another instruction set (the default
+    /// is the best this CPU has, or `FUSEDBN_ISA`). Fails when the CPU lacks it.
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, Problem, kernels::simd::Isa};
+    /// let p = Problem::new(DataFormat::Nhwc, &[1, 2, 2, 3])?.with_isa(Isa::Scalar)?;
+    /// assert_eq!(p.isa(), Isa::Scalar);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        if !isa.is_supported() {
+            return Err(Error::arg(
+                "isa",
+                format!(
+                    "an instruction set this CPU supports ({})",
+                    Isa::supported()
+                        .iter()
+                        .map(|i| i.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                isa.name(),
+            ));
+        }
+        self.isa = isa;
+        Ok(self)
+    }
+
+    /// The instruction set the kernels run with.
+    pub fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// The data format.

@@ -5,6 +5,7 @@ mod common;
 
 use common::{eps, Rng};
 use fusedbn::batch_norm::{Gradients, RunningStats, SavedStats};
+use fusedbn::kernels::simd::Isa;
 use fusedbn::{reference, DataFormat, Element, Problem, Real};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -98,7 +99,24 @@ fn close_scaled<T: Element>(
     Ok(())
 }
 
+/// [`check_one`] with the kernels of every ISA this machine supports.
 fn check_all<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> {
+    for isa in Isa::supported() {
+        let d = Data {
+            p: d.p.clone().with_isa(isa).unwrap(),
+            x: d.x.clone(),
+            dy: d.dy.clone(),
+            scale: d.scale.clone(),
+            offset: d.offset.clone(),
+            mean: d.mean.clone(),
+            variance: d.variance.clone(),
+        };
+        check_one(&d, factor).map_err(|e| TestCaseError::fail(format!("isa {isa}: {e}")))?;
+    }
+    Ok(())
+}
+
+fn check_one<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> {
     let (p, c) = (&d.p, d.p.channels());
     let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
     let (x, dy) = (f64s(&d.x), f64s(&d.dy));
@@ -290,9 +308,12 @@ fn large_and_odd_geometries_match_reference() {
         (DataFormat::Nhwc, &[1, 1, 70001, 1]),  // C = 1: one contiguous run
         (DataFormat::Ncdhw, &[2, 4, 9, 30, 31]),
         (DataFormat::Ndhwc, &[2, 9, 30, 31, 5]),
-        (DataFormat::Nchw, &[1, 3, 1, 1]),   // M = 1
-        (DataFormat::Nhwc, &[1, 1, 1, 5]),   // M = 1
-        (DataFormat::Nchw, &[300, 2, 1, 1]), // inner = 1 in NCHW: treated as channels-last
+        (DataFormat::Nchw, &[1, 3, 1, 1]),     // M = 1
+        (DataFormat::Nhwc, &[1, 1, 1, 5]),     // M = 1
+        (DataFormat::Nchw, &[300, 2, 1, 1]),   // inner = 1 in NCHW: treated as channels-last
+        (DataFormat::Nchw, &[4, 3, 300, 200]), // channel slice > L2 budget: two passes
+        (DataFormat::Nhwc, &[1, 4, 5, 2049]),  // lcm(C, lanes) too large: pixel by pixel
+        (DataFormat::Nhwc, &[2, 9, 7, 1000]),  // period lcm(1000, 16) = 2000
     ];
     for (i, (f, s)) in cases.iter().enumerate() {
         check_all(&make::<f32>(*f, s, 1e-3, i as u64), 0.25)
@@ -306,25 +327,85 @@ fn large_and_odd_geometries_match_reference() {
 /// bit-identical whatever the number of threads.
 #[test]
 fn results_do_not_depend_on_thread_count() {
-    for (f, s) in [
+    // Channels-last, channel-major resident, channel-major in two passes.
+    let shapes = [
         (DataFormat::Nhwc, vec![8, 40, 40, 24]),
         (DataFormat::Nchw, vec![8, 24, 40, 40]),
+        (DataFormat::Nchw, vec![64, 8, 64, 64]),
+    ];
+    for isa in Isa::supported() {
+        for (f, s) in shapes.clone() {
+            let mut d = make::<f32>(f, &s, 1e-3, 7);
+            d.p = d.p.with_isa(isa).unwrap();
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| {
+                    let c = d.p.channels();
+                    let mut y = vec![0f32; d.p.len()];
+                    let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+                    d.p.forward_training(
+                        &d.x,
+                        &d.scale,
+                        &d.offset,
+                        &mut y,
+                        SavedStats {
+                            mean: &mut mu,
+                            variance: &mut var,
+                        },
+                        None,
+                    )
+                    .unwrap();
+                    let mut dx = vec![0f32; d.p.len()];
+                    let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
+                    d.p.backward_training(
+                        &d.dy,
+                        &d.x,
+                        &d.scale,
+                        &mu,
+                        &var,
+                        Gradients {
+                            x: &mut dx,
+                            scale: &mut ds,
+                            offset: &mut db,
+                        },
+                    )
+                    .unwrap();
+                    (y, mu, var, dx, ds, db)
+                })
+            };
+            let one = run(1);
+            for t in [2, 3, 5] {
+                assert!(run(t) == one, "{f} {isa}: {t} threads differ from 1 thread");
+            }
+        }
+    }
+}
+
+/// Outputs of 16 MB and more are written with non-temporal stores after an unaligned
+/// head; the arithmetic is the same for every element, so the result does not depend
+/// on where the buffers sit in memory.
+#[test]
+fn streamed_outputs_match_reference_and_ignore_alignment() {
+    for (f, s) in [
+        (DataFormat::Nhwc, [16usize, 300, 300, 3]),
+        (DataFormat::Nchw, [16, 3, 300, 300]),
     ] {
-        let d = make::<f32>(f, &s, 1e-3, 7);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let c = d.p.channels();
-                let mut y = vec![0f32; d.p.len()];
-                let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-                d.p.forward_training(
+        let d = make::<f32>(f, &s, 1e-3, 11);
+        check_all(&d, 1.0).unwrap_or_else(|e| panic!("{f}: {e}"));
+        for isa in Isa::supported() {
+            let p = d.p.clone().with_isa(isa).unwrap();
+            let n = p.len();
+            let run = |offset: usize| {
+                let mut buf = vec![0f32; n + offset];
+                let (mut mu, mut var) = (vec![0f32; 3], vec![0f32; 3]);
+                p.forward_training(
                     &d.x,
                     &d.scale,
                     &d.offset,
-                    &mut y,
+                    &mut buf[offset..],
                     SavedStats {
                         mean: &mut mu,
                         variance: &mut var,
@@ -332,27 +413,30 @@ fn results_do_not_depend_on_thread_count() {
                     None,
                 )
                 .unwrap();
-                let mut dx = vec![0f32; d.p.len()];
-                let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
-                d.p.backward_training(
+                let mut dx = vec![0f32; n + offset];
+                let (mut ds, mut db) = (vec![0f32; 3], vec![0f32; 3]);
+                p.backward_training(
                     &d.dy,
                     &d.x,
                     &d.scale,
                     &mu,
                     &var,
                     Gradients {
-                        x: &mut dx,
+                        x: &mut dx[offset..],
                         scale: &mut ds,
                         offset: &mut db,
                     },
                 )
                 .unwrap();
-                (y, mu, var, dx, ds, db)
-            })
-        };
-        let one = run(1);
-        for t in [2, 3, 5] {
-            assert!(run(t) == one, "{f}: {t} threads differ from 1 thread");
+                (buf.split_off(offset), dx.split_off(offset))
+            };
+            let base = run(0);
+            for offset in [1, 3, 8] {
+                assert!(
+                    run(offset) == base,
+                    "{f} {isa}: offset {offset} changes the result"
+                );
+            }
         }
     }
 }

@@ -153,7 +153,7 @@ impl Files {
 /// A version 1.0 `.npy` file with the given header dict and data bytes.
 fn npy_bytes(dict: &str, data: &[u8]) -> Vec<u8> {
     let mut header = dict.to_string();
-    while (10 + header.len() + 1) % 64 != 0 {
+    while !(10 + header.len() + 1).is_multiple_of(64) {
         header.push(' ');
     }
     header.push('\n');

@@ -5,9 +5,13 @@
 //! constant term) keeps `dx` exact where it should vanish (e.g. `M = 1`, as in
 //! TensorFlow) and accurate when |μ| ≫ std.
 
+use std::mem::size_of;
+
+use super::apply::{Elementwise, VectorFn};
+use super::simd::{Dispatch, Isa, Kernel, Simd};
 use super::{
-    for_each_channel_tile, for_each_row_chunk, map_tasks, pixels_per_task, pixels_per_tile,
-    ChannelMajorSplit, Geometry, LANES,
+    channel_tiles, for_each_row_chunk, map_tasks, merge_channel_results, pixels_per_reduce_task,
+    pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
 };
 use crate::element::{Element, Real};
 
@@ -20,113 +24,282 @@ pub struct BackwardSums {
     pub sum_dy_xc: Vec<f64>,
 }
 
-/// `Σdy` and `Σdy·(x − mean[c])` per channel of `dy` and `x` (geometry `g`).
-pub fn reduce<T: Element>(g: &Geometry, dy: &[T], x: &[T], mean: &[T::Stat]) -> BackwardSums {
-    debug_assert!(dy.len() == g.len() && x.len() == g.len() && mean.len() == g.channels);
-    if g.channels_last() {
-        reduce_channels_last(g, dy, x, mean)
-    } else {
-        reduce_channel_major(g, dy, x, mean)
-    }
-}
-
-fn reduce_channel_major<T: Element>(
-    g: &Geometry,
-    dy: &[T],
-    x: &[T],
-    mean: &[T::Stat],
-) -> BackwardSums {
-    let split = ChannelMajorSplit::new(g);
-    let partials = map_tasks(g, split.tasks(g), |t| {
-        let (c, o0, o1) = split.task(g, t);
-        let m = mean[c];
-        let (mut sdy, mut sdx) = (0f64, 0f64);
-        for_each_channel_tile(g, c, o0, o1, |tile| {
-            let zero = T::Stat::ZERO;
-            let (mut a, mut b) = ([zero; LANES], [zero; LANES]);
-            for (d, xv) in tile.pieces(dy).zip(tile.pieces(x)) {
-                let k = d.len() - d.len() % LANES;
-                for (dc, xc) in d[..k].chunks_exact(LANES).zip(xv[..k].chunks_exact(LANES)) {
-                    for l in 0..LANES {
-                        let dv = dc[l].widen();
-                        a[l] = a[l] + dv;
-                        b[l] = b[l] + dv * (xc[l].widen() - m);
-                    }
-                }
-                for (l, (dv, xv)) in d[k..].iter().zip(&xv[k..]).enumerate() {
-                    let dv = dv.widen();
-                    a[l] = a[l] + dv;
-                    b[l] = b[l] + dv * (xv.widen() - m);
-                }
-            }
-            sdy += a.iter().map(|v| v.to_f64()).sum::<f64>();
-            sdx += b.iter().map(|v| v.to_f64()).sum::<f64>();
-        });
-        (sdy, sdx)
-    });
-    let mut sums = BackwardSums::default();
-    for p in partials.chunks(split.chunks) {
-        sums.sum_dy.push(p.iter().map(|v| v.0).sum());
-        sums.sum_dy_xc.push(p.iter().map(|v| v.1).sum());
-    }
-    sums
-}
-
-fn reduce_channels_last<T: Element>(
-    g: &Geometry,
-    dy: &[T],
-    x: &[T],
-    mean: &[T::Stat],
-) -> BackwardSums {
-    let c = g.channels;
-    let ppt = pixels_per_task(c);
-    let tile_px = pixels_per_tile(c);
-    let tasks = g.outer.div_ceil(ppt);
-    let partials = map_tasks(g, tasks, |t| {
-        let zero = T::Stat::ZERO;
-        let range = t * ppt * c..((t + 1) * ppt).min(g.outer) * c;
-        let (dy, x) = (&dy[range.clone()], &x[range]);
-        let mut out = BackwardSums {
+impl BackwardSums {
+    /// Zero sums for `c` channels.
+    pub fn zeros(c: usize) -> Self {
+        BackwardSums {
             sum_dy: vec![0.0; c],
             sum_dy_xc: vec![0.0; c],
-        };
-        let (mut a, mut b) = (vec![zero; c], vec![zero; c]);
-        for (dt, xt) in dy.chunks(tile_px * c).zip(x.chunks(tile_px * c)) {
-            a.fill(zero);
-            b.fill(zero);
-            for (dp, xp) in dt.chunks_exact(c).zip(xt.chunks_exact(c)) {
-                for ((((a, b), d), xv), m) in
-                    a.iter_mut().zip(b.iter_mut()).zip(dp).zip(xp).zip(mean)
-                {
-                    let d = d.widen();
-                    *a = *a + d;
-                    *b = *b + d * (xv.widen() - *m);
-                }
-            }
-            for ch in 0..c {
-                out.sum_dy[ch] += a[ch].to_f64();
-                out.sum_dy_xc[ch] += b[ch].to_f64();
-            }
-        }
-        out
-    });
-    let mut sums = BackwardSums {
-        sum_dy: vec![0.0; c],
-        sum_dy_xc: vec![0.0; c],
-    };
-    for p in &partials {
-        for ch in 0..c {
-            sums.sum_dy[ch] += p.sum_dy[ch];
-            sums.sum_dy_xc[ch] += p.sum_dy_xc[ch];
         }
     }
-    sums
+
+    /// Adds `other` channel by channel.
+    pub fn add(&mut self, other: &BackwardSums) {
+        for (a, b) in self.sum_dy.iter_mut().zip(&other.sum_dy) {
+            *a += b;
+        }
+        for (a, b) in self.sum_dy_xc.iter_mut().zip(&other.sum_dy_xc) {
+            *a += b;
+        }
+    }
+}
+
+/// `Σdy` and `Σdy·(x − mean[c])` per channel of `dy` and `x` (geometry `g`).
+pub fn reduce<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    dy: &[T],
+    x: &[T],
+    mean: &[T::Stat],
+) -> BackwardSums {
+    debug_assert!(dy.len() == g.len() && x.len() == g.len() && mean.len() == g.channels);
+    if g.channels_last() {
+        let c = g.channels;
+        let ppt = pixels_per_reduce_task(c);
+        let partials = map_tasks(g, g.outer.div_ceil(ppt), |t| {
+            let range = t * ppt * c..((t + 1) * ppt).min(g.outer) * c;
+            let mut sums = BackwardSums::zeros(c);
+            T::Stat::dispatch(
+                isa,
+                PixelSums {
+                    dy: &dy[range.clone()],
+                    x: &x[range],
+                    mean,
+                    dx: None,
+                    sums: &mut sums,
+                },
+            );
+            sums
+        });
+        let mut sums = BackwardSums::zeros(c);
+        for p in &partials {
+            sums.add(p);
+        }
+        sums
+    } else {
+        let tasks = ChannelMajorSplit::new(g).tasks(g);
+        let partials = map_tasks(g, tasks.len(), |i| {
+            T::Stat::dispatch(
+                isa,
+                TaskSums {
+                    g,
+                    dy,
+                    x,
+                    mean,
+                    task: tasks[i],
+                },
+            )
+        });
+        let per = merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1));
+        BackwardSums {
+            sum_dy: per.iter().map(|p| p.0).collect(),
+            sum_dy_xc: per.iter().map(|p| p.1).collect(),
+        }
+    }
+}
+
+/// `(Σdy, Σdy·(x − m))` over channel `c`, outer rows `[o0, o1)`, of a channel-major
+/// tensor, tile by tile.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    g: &Geometry,
+    dy: &[T],
+    x: &[T],
+    m: U,
+    c: usize,
+    o0: usize,
+    o1: usize,
+) -> (f64, f64) {
+    let (mut sdy, mut sdx) = (0f64, 0f64);
+    let (m, zero) = (s.splat(m), s.splat(U::ZERO));
+    for tile in channel_tiles(g, c, o0, o1) {
+        let mut acc = (zero, zero);
+        for (d, x) in tile.pieces(dy).zip(tile.pieces(x)) {
+            acc = row_sums(s, d, x, m, None, zero, acc);
+        }
+        sdy += s.sum_f64(acc.0);
+        sdx += s.sum_f64(acc.1);
+    }
+    (sdy, sdx)
+}
+
+/// The backward sums of each channel of one task of a channel-major split.
+struct TaskSums<'a, T: Element> {
+    g: &'a Geometry,
+    dy: &'a [T],
+    x: &'a [T],
+    mean: &'a [T::Stat],
+    task: ChannelTask,
+}
+
+impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
+    type Output = Vec<(f64, f64)>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let t = self.task;
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for c in t.c0..t.c1 {
+            out.push(channel_rows_in(
+                s,
+                self.g,
+                self.dy,
+                self.x,
+                self.mean[c],
+                c,
+                t.o0,
+                t.o1,
+            ));
+        }
+        out
+    }
+}
+
+/// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc`; with `dx`, also
+/// writes `dx = dy·k1` (the inference gradient, fused into the same read).
+#[inline(always)]
+pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    dy: &[T],
+    x: &[T],
+    m: S::V,
+    dx: Option<(&mut [T], bool)>,
+    k1: S::V,
+    (mut a, mut b): (S::V, S::V),
+) -> (S::V, S::V) {
+    let (l, n) = (S::LANES, dy.len());
+    let mut i = 0;
+    match dx {
+        None => {
+            while i + l <= n {
+                let d = s.load(&dy[i..]);
+                a = s.add(a, d);
+                b = s.mul_add(d, s.sub(s.load(&x[i..]), m), b);
+                i += l;
+            }
+            if i < n {
+                let d = s.load_partial(&dy[i..]);
+                a = s.add(a, d);
+                b = s.mul_add(d, s.sub(s.load_partial(&x[i..]), m), b);
+            }
+        }
+        Some((out, stream)) => {
+            while i + l <= n {
+                let d = s.load(&dy[i..]);
+                a = s.add(a, d);
+                b = s.mul_add(d, s.sub(s.load(&x[i..]), m), b);
+                if stream {
+                    s.stream(&mut out[i..], s.mul(d, k1));
+                } else {
+                    s.store(&mut out[i..], s.mul(d, k1));
+                }
+                i += l;
+            }
+            if i < n {
+                let d = s.load_partial(&dy[i..]);
+                a = s.add(a, d);
+                b = s.mul_add(d, s.sub(s.load_partial(&x[i..]), m), b);
+                s.store_partial(&mut out[i..], s.mul(d, k1));
+            }
+        }
+    }
+    (a, b)
+}
+
+/// Backward sums over whole pixels, by tiles flushed to `f64`; with `dx`, also writes
+/// `dx = dy·k1` (the inference gradient).
+pub(crate) struct PixelSums<'a, T: Element> {
+    pub dy: &'a [T],
+    pub x: &'a [T],
+    pub mean: &'a [T::Stat],
+    pub dx: Option<(&'a mut [T], &'a [T::Stat])>,
+    pub sums: &'a mut BackwardSums,
+}
+
+impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) {
+        let (l, c) = (S::LANES, self.mean.len());
+        let (full, groups) = (c / l, c.div_ceil(l));
+        let zero = s.splat(T::Stat::ZERO);
+        let padded = |v: &[T::Stat]| {
+            let mut p = v.to_vec();
+            p.resize(groups * l, T::Stat::ZERO);
+            p
+        };
+        let mean = padded(self.mean);
+        let k1 = padded(self.dx.as_ref().map_or(&[][..], |d| d.1));
+        let mut out = self.dx.map(|d| d.0);
+        let (mut a, mut b) = (vec![zero; groups], vec![zero; groups]);
+        let mut lanes = vec![T::Stat::ZERO; 2 * groups * l];
+        let tile = pixels_per_tile(c) * c;
+        for (t, (dt, xt)) in self.dy.chunks(tile).zip(self.x.chunks(tile)).enumerate() {
+            a.fill(zero);
+            b.fill(zero);
+            for (p, (dp, xp)) in dt.chunks_exact(c).zip(xt.chunks_exact(c)).enumerate() {
+                for gi in 0..full {
+                    let (d, xv) = (s.load(&dp[gi * l..]), s.load(&xp[gi * l..]));
+                    a[gi] = s.add(a[gi], d);
+                    b[gi] = s.mul_add(d, s.sub(xv, s.load(&mean[gi * l..])), b[gi]);
+                }
+                if full < groups {
+                    let (d, xv) = (
+                        s.load_partial(&dp[full * l..]),
+                        s.load_partial(&xp[full * l..]),
+                    );
+                    a[full] = s.add(a[full], d);
+                    b[full] = s.mul_add(d, s.sub(xv, s.load(&mean[full * l..])), b[full]);
+                }
+                if let Some(o) = out.as_deref_mut() {
+                    // dx = dy·k1, from the pixel just read (still in L1).
+                    let o = &mut o[t * tile + p * c..][..c];
+                    for gi in 0..full {
+                        s.store(
+                            &mut o[gi * l..],
+                            s.mul(s.load(&dp[gi * l..]), s.load(&k1[gi * l..])),
+                        );
+                    }
+                    if full < groups {
+                        let v = s.mul(s.load_partial(&dp[full * l..]), s.load(&k1[full * l..]));
+                        s.store_partial(&mut o[full * l..], v);
+                    }
+                }
+            }
+            let (la, lb) = lanes.split_at_mut(groups * l);
+            for gi in 0..groups {
+                s.store(&mut la[gi * l..], a[gi]);
+                s.store(&mut lb[gi * l..], b[gi]);
+            }
+            for ch in 0..c {
+                self.sums.sum_dy[ch] += la[ch].to_f64();
+                self.sums.sum_dy_xc[ch] += lb[ch].to_f64();
+            }
+        }
+    }
+}
+
+/// `(dy − dm)·k1 + (x − m)·k2`.
+pub(crate) struct BackwardFn;
+
+impl VectorFn<2, 4> for BackwardFn {
+    #[inline(always)]
+    fn eval<U: Real, S: Simd<U>>(
+        &self,
+        s: S,
+        [dy, x]: [S::V; 2],
+        [dm, m, k1, k2]: [S::V; 4],
+    ) -> S::V {
+        s.mul_add(s.sub(dy, dm), k1, s.mul(s.sub(x, m), k2))
+    }
 }
 
 /// `dx = (dy − dy_mean[c])·k1[c] + (x − mean[c])·k2[c]`, computed in `U`, rounded once.
 #[allow(clippy::too_many_arguments)]
 pub fn apply<T: Element>(
     g: &Geometry,
+    isa: Isa,
     dy: &[T],
     x: &[T],
     dy_mean: &[T::Stat],
@@ -136,34 +309,22 @@ pub fn apply<T: Element>(
     dx: &mut [T],
 ) {
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && dx.len() == g.len());
-    let (row_len, c) = (g.row_len(), g.channels);
+    let stream = g.stream(size_of::<T>());
+    let row_len = g.row_len();
     for_each_row_chunk(g, dx, |row0, out| {
         let off = row0 * row_len;
-        let (dys, xs) = (&dy[off..][..out.len()], &x[off..][..out.len()]);
-        if g.channels_last() {
-            for ((o, d), xr) in out
-                .chunks_exact_mut(c)
-                .zip(dys.chunks_exact(c))
-                .zip(xs.chunks_exact(c))
-            {
-                for i in 0..c {
-                    let v = (d[i].widen() - dy_mean[i]) * k1[i] + (xr[i].widen() - mean[i]) * k2[i];
-                    o[i] = T::narrow(v);
-                }
-            }
-        } else {
-            for (r, ((o, d), xr)) in out
-                .chunks_exact_mut(row_len)
-                .zip(dys.chunks_exact(row_len))
-                .zip(xs.chunks_exact(row_len))
-                .enumerate()
-            {
-                let ch = (row0 + r) % c;
-                let (dm, m, k1, k2) = (dy_mean[ch], mean[ch], k1[ch], k2[ch]);
-                for ((o, d), xv) in o.iter_mut().zip(d).zip(xr) {
-                    *o = T::narrow((d.widen() - dm) * k1 + (xv.widen() - m) * k2);
-                }
-            }
-        }
+        let ins = [&dy[off..][..out.len()], &x[off..][..out.len()]];
+        T::Stat::dispatch(
+            isa,
+            Elementwise {
+                g,
+                row0,
+                ins,
+                out,
+                consts: [dy_mean, mean, k1, k2],
+                stream,
+                f: BackwardFn,
+            },
+        );
     });
 }

@@ -6,35 +6,49 @@
 //! | pass | module | reads | writes |
 //! |---|---|---|---|
 //! | statistics: per-channel mean and M2 | [`stats`] | x | C moments |
-//! | apply: `y = (x - shift)·a + b` | [`apply`] | x | y |
+//! | apply: `y = (x − shift)·a + b` | [`apply`] | x | y |
 //! | backward reduce: `Σdy`, `Σdy·(x−μ)` | [`backward`] | dy, x | 2·C sums |
 //! | backward apply: `dx = (dy−dȳ)·k1 + (x−μ)·k2` | [`backward`] | dy, x | dx |
 //!
-//! This module (the driver) decides how the work is split; the pass modules decide
-//! how one piece is done. Splitting depends only on the geometry, never on the number
-//! of threads, and partial results are merged in a fixed order, so results are
+//! [`fused`] runs them with the fewest trips to memory: in channel-major layouts a
+//! channel's slice that fits in L2 is reduced and then transformed while it is hot
+//! (forward training: one DRAM read of x; backward: one read of dy and x), and the
+//! inference gradient is a single pass.
+//!
+//! This module (the driver) decides how the work is split; the pass modules decide how
+//! one piece is done, with one loop body per pass written against the [`simd::Simd`]
+//! trait and compiled per ISA. Splitting depends only on the geometry, never on the
+//! number of threads, and partial results are merged in a fixed order, so results are
 //! bit-identical whatever the thread count. Reductions accumulate in `U` (f32) lanes
-//! over tiles of at most [`TILE`] elements and merge tiles in `f64`.
+//! over cache-sized tiles and merge tiles in `f64`.
 //!
 //! Kernels do no validation: the op and typed layers check every length first.
 
 pub mod apply;
 pub mod backward;
+pub mod fused;
+pub mod simd;
 pub mod stats;
 
 use rayon::prelude::*;
 
-/// Elements per reduction tile: small enough that a tile's second pass hits L1/L2,
-/// and that no `f32` accumulator lane sums more than ~1000 values.
+/// Elements per channel-major reduction tile: the second pass over a tile hits L1.
 pub const TILE: usize = 8192;
+/// Target elements per channels-last reduction tile (pixels × C): fits L2.
+pub const CL_TILE: usize = 32768;
 /// Elements per parallel task (each task is one rayon job).
 pub const TASK: usize = 1 << 18;
 /// Below this many elements every pass runs on the calling thread: a rayon hand-off
 /// costs more than the work.
 pub const PARALLEL_MIN: usize = 1 << 15;
-/// Independent accumulator lanes in the channel-major reductions (lets the compiler
-/// vectorize without reassociating floating-point sums).
-pub const LANES: usize = 8;
+/// A channel's data (x, or dy and x) up to this many bytes is processed while it is
+/// resident in L2 (1 MiB per core on the machines we target).
+pub const RESIDENT_BYTES: usize = 768 << 10;
+/// Outputs of at least this many bytes are written with non-temporal stores: they
+/// would only evict the inputs from the cache.
+pub const STREAM_BYTES: usize = 16 << 20;
+/// Largest periodic constant pattern (elements) for channels-last elementwise passes.
+pub const MAX_PERIOD: usize = 1 << 14;
 
 /// The kernels' view of `x`: `[outer, channels, inner]`, row-major.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,34 +111,35 @@ impl Geometry {
         }
     }
 
-    /// Number of rows.
-    pub fn rows(&self) -> usize {
-        if self.channels_last() {
-            self.outer
-        } else {
-            self.outer * self.channels
-        }
-    }
-
-    /// Rows per elementwise task: a fixed function of the geometry.
-    fn rows_per_task(&self) -> usize {
-        (TASK / self.row_len().max(1)).max(1)
-    }
-
     /// Whether a pass over this geometry should use the thread pool.
     fn parallel(&self) -> bool {
         self.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1
     }
+
+    /// Whether an output of this geometry with elements of `size` bytes is streamed.
+    pub(crate) fn stream(&self, size: usize) -> bool {
+        self.len() * size >= STREAM_BYTES
+    }
+
+    /// Pixels per channels-last elementwise task: a fixed multiple of 16, so every task
+    /// starts at the same alignment and phase of the periodic pattern as the first.
+    fn pixels_per_task(&self) -> usize {
+        ((TASK / self.channels.max(1)) / 16).max(1) * 16
+    }
 }
 
-/// Runs `f(first_row, out_rows)` over fixed row chunks of `out` (a tensor of this
-/// geometry), in parallel when the tensor is large enough.
+/// Runs `f(first_row, out_rows)` over fixed chunks of whole rows of `out` (a tensor of
+/// geometry `g`; rows as in [`Geometry::row_len`]), in parallel when `g` is large.
 pub(crate) fn for_each_row_chunk<O, F>(g: &Geometry, out: &mut [O], f: F)
 where
     O: Send,
     F: Fn(usize, &mut [O]) + Sync + Send,
 {
-    let rpt = g.rows_per_task();
+    let rpt = if g.channels_last() {
+        g.pixels_per_task()
+    } else {
+        (TASK / g.row_len().max(1)).max(1)
+    };
     let chunk = (rpt * g.row_len()).max(1);
     if g.parallel() {
         out.par_chunks_mut(chunk)
@@ -150,45 +165,98 @@ where
     }
 }
 
-/// The fixed split of a channel-major reduction: task `t` covers channel
-/// `t / chunks` and rows `[k·rows, (k+1)·rows)` of it (`k = t % chunks`).
+/// The fixed split of a channel-major pass into tasks of about [`TASK`] elements:
+/// a task covers channels `[c0, c1)` and outer rows `[o0, o1)` of each — either a
+/// group of whole small channels, or a chunk of the rows of one large channel.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ChannelMajorSplit {
+    /// Channels per task (1 when channels are split into row chunks).
+    pub channels_per_task: usize,
+    /// Outer rows per task.
     pub rows_per_task: usize,
+    /// Row chunks per channel (1 when channels are grouped).
     pub chunks: usize,
+}
+
+/// One task of a [`ChannelMajorSplit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ChannelTask {
+    pub c0: usize,
+    pub c1: usize,
+    pub o0: usize,
+    pub o1: usize,
 }
 
 impl ChannelMajorSplit {
     pub fn new(g: &Geometry) -> Self {
-        let rows_per_task = (TASK / g.inner.max(1)).max(1);
-        let chunks = g.outer.div_ceil(rows_per_task).max(1);
-        ChannelMajorSplit {
-            rows_per_task,
-            chunks,
+        let per_channel = g.per_channel().max(1);
+        if per_channel >= TASK {
+            let rows_per_task = (TASK / g.inner.max(1)).max(1);
+            ChannelMajorSplit {
+                channels_per_task: 1,
+                rows_per_task,
+                chunks: g.outer.div_ceil(rows_per_task).max(1),
+            }
+        } else {
+            ChannelMajorSplit {
+                channels_per_task: (TASK / per_channel).max(1),
+                rows_per_task: g.outer,
+                chunks: 1,
+            }
         }
     }
 
-    pub fn tasks(&self, g: &Geometry) -> usize {
-        self.chunks * g.channels
-    }
-
-    /// `(channel, first outer index, end outer index)` of task `t`.
-    pub fn task(&self, g: &Geometry, t: usize) -> (usize, usize, usize) {
-        let c = t / self.chunks;
-        let o0 = (t % self.chunks) * self.rows_per_task;
-        (c, o0, (o0 + self.rows_per_task).min(g.outer))
+    /// The tasks, channel-major: all chunks of a channel are consecutive.
+    pub fn tasks(&self, g: &Geometry) -> Vec<ChannelTask> {
+        let mut tasks = Vec::new();
+        let mut c0 = 0;
+        while c0 < g.channels {
+            let c1 = (c0 + self.channels_per_task).min(g.channels);
+            for k in 0..self.chunks {
+                let o0 = k * self.rows_per_task;
+                tasks.push(ChannelTask {
+                    c0,
+                    c1,
+                    o0,
+                    o1: (o0 + self.rows_per_task).min(g.outer),
+                });
+            }
+            c0 = c1;
+        }
+        tasks
     }
 }
 
-/// Pixels per tile in a channels-last reduction: about [`TILE`] elements, at least 8
-/// pixels (so merges stay rare for wide C) and at most 1024 (so no `f32` lane sums
-/// more than 1024 values).
+/// Folds per-task results of a [`ChannelMajorSplit`] (one `R` per channel of each
+/// task, tasks in order) into one result per channel, merging a channel's chunks in
+/// row order.
+pub(crate) fn merge_channel_results<R: Copy>(
+    g: &Geometry,
+    tasks: &[ChannelTask],
+    results: Vec<Vec<R>>,
+    merge: impl Fn(R, R) -> R,
+) -> Vec<R> {
+    let mut out: Vec<Option<R>> = vec![None; g.channels];
+    for (t, rs) in tasks.iter().zip(results) {
+        for (c, r) in (t.c0..t.c1).zip(rs) {
+            out[c] = Some(match out[c] {
+                Some(prev) => merge(prev, r),
+                None => r,
+            });
+        }
+    }
+    out.into_iter().flatten().collect()
+}
+
+/// Pixels per tile in a channels-last reduction: about [`CL_TILE`] elements, at
+/// least 16 pixels (so per-tile merges stay cheap for wide C) and at most 1024 (so no
+/// `f32` lane sums more than 1024 values).
 pub(crate) fn pixels_per_tile(c: usize) -> usize {
-    (TILE / c.max(1)).clamp(8, 1024)
+    (CL_TILE / c.max(1)).clamp(16, 1024)
 }
 
 /// Pixels per task in a channels-last reduction: a whole number of tiles.
-pub(crate) fn pixels_per_task(c: usize) -> usize {
+pub(crate) fn pixels_per_reduce_task(c: usize) -> usize {
     let ppt = pixels_per_tile(c);
     ((TASK / c.max(1)) / ppt).max(1) * ppt
 }
@@ -215,46 +283,39 @@ impl Tile {
     }
 }
 
-/// Calls `f` with each tile of channel `c`, outer rows `[o0, o1)`, of a channel-major
-/// tensor: a tile is a run of whole rows totalling about [`TILE`] elements, or an
-/// equal piece of one row when rows are longer than that.
-pub(crate) fn for_each_channel_tile(
+/// The tiles of channel `c`, outer rows `[o0, o1)`, of a channel-major tensor, in
+/// order: a tile is a run of whole rows totalling about [`TILE`] elements, or an equal
+/// piece of one row when rows are longer than that. (An iterator rather than a
+/// callback: a closure would be compiled without the kernel's target features.)
+pub(crate) fn channel_tiles(
     g: &Geometry,
     c: usize,
     o0: usize,
     o1: usize,
-    mut f: impl FnMut(Tile),
-) {
-    let inner = g.inner;
-    let stride = g.channels * inner;
+) -> impl Iterator<Item = Tile> {
+    let (inner, stride) = (g.inner, g.channels * g.inner);
     let base = c * inner;
-    if inner >= TILE {
-        let piece = inner.div_ceil(inner.div_ceil(TILE));
-        for o in o0..o1 {
-            let mut s = 0;
-            while s < inner {
-                let step = piece.min(inner - s);
-                f(Tile {
-                    start: base + o * stride + s,
-                    step,
-                    stride,
-                    count: 1,
-                });
-                s += step;
-            }
-        }
+    let (pieces, piece, per_tile) = if inner >= TILE {
+        let pieces = inner.div_ceil(TILE);
+        (pieces, inner.div_ceil(pieces), 1)
     } else {
-        let per_tile = (TILE / inner.max(1)).max(1);
-        let mut o = o0;
-        while o < o1 {
-            let count = per_tile.min(o1 - o);
-            f(Tile {
-                start: base + o * stride,
-                step: inner,
+        (1, inner, (TILE / inner.max(1)).max(1))
+    };
+    let rows = (o0..o1).step_by(per_tile);
+    rows.flat_map(move |o| {
+        let count = per_tile.min(o1 - o);
+        (0..pieces).map(move |p| {
+            let s = p * piece;
+            Tile {
+                start: base + o * stride + s,
+                step: if pieces == 1 {
+                    inner
+                } else {
+                    piece.min(inner - s)
+                },
                 stride,
                 count,
-            });
-            o += count;
-        }
-    }
+            }
+        })
+    })
 }

@@ -1,15 +1,15 @@
 //! Statistics pass: per-channel count, mean and M2 (sum of squared deviations) in one
 //! read of `x`.
 //!
-//! Each tile (at most [`TILE`](super::TILE) elements, cache-resident) is reduced
-//! exactly in two passes over the cached data: first a pivot (the tile's `f32` mean),
-//! then `Σ(x − pivot)` and `Σ(x − pivot)²` in `f32` lanes, which give the tile's mean
-//! and M2 without cancellation even when |mean| ≫ std. Tiles are merged with Chan's
-//! formula in `f64`.
+//! Each tile (cache-resident) is reduced exactly in two passes over the cached data:
+//! first a pivot (the tile's `f32` mean), then `Σ(x − pivot)` and `Σ(x − pivot)²` in
+//! `f32` lanes, which give the tile's mean and M2 without cancellation even when
+//! |mean| ≫ std. Tiles are merged with Chan's formula in `f64`.
 
+use super::simd::{Dispatch, Isa, Kernel, Simd};
 use super::{
-    for_each_channel_tile, map_tasks, pixels_per_task, pixels_per_tile, ChannelMajorSplit,
-    Geometry, LANES,
+    channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
+    ChannelMajorSplit, ChannelTask, Geometry,
 };
 use crate::element::{Element, Real};
 
@@ -33,6 +33,7 @@ impl Moments {
     };
 
     /// Moments of the union of two sets (Chan, Golub and LeVeque's pairwise update).
+    #[inline]
     pub fn merge(self, other: Moments) -> Moments {
         if other.count == 0.0 {
             return self;
@@ -63,8 +64,10 @@ impl Moments {
         self.m2 / self.count
     }
 
-    /// Moments of a tile from its pivot and the `f32`/`f64` sums of `d = x − pivot`.
-    fn from_pivot(count: usize, pivot: f64, s1: f64, s2: f64) -> Moments {
+    /// Moments of a tile of `count` values from its pivot and the sums of
+    /// `d = x − pivot` and `d²`.
+    #[inline]
+    pub(crate) fn from_pivot(count: usize, pivot: f64, s1: f64, s2: f64) -> Moments {
         let n = count as f64;
         if !pivot.is_finite() {
             // The tile's sum is ±Inf or NaN: so is its mean, as IEEE sums give it.
@@ -85,112 +88,196 @@ impl Moments {
 }
 
 /// Per-channel moments of `x` (a tensor of geometry `g`), `C` of them.
-pub fn channel_moments<T: Element>(g: &Geometry, x: &[T]) -> Vec<Moments> {
+pub fn channel_moments<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     debug_assert_eq!(x.len(), g.len());
     if g.channels_last() {
-        channels_last(g, x)
+        channels_last(g, isa, x)
     } else {
-        channel_major(g, x)
+        channel_major(g, isa, x)
     }
 }
 
-fn channel_major<T: Element>(g: &Geometry, x: &[T]) -> Vec<Moments> {
-    let split = ChannelMajorSplit::new(g);
-    let partials = map_tasks(g, split.tasks(g), |t| {
-        let (c, o0, o1) = split.task(g, t);
-        let mut m = Moments::EMPTY;
-        for_each_channel_tile(g, c, o0, o1, |tile| {
-            m = m.merge(tile_moments(tile.pieces(x), tile.len()));
-        });
-        m
+/// Moments of channel `c`, outer rows `[o0, o1)`, of a channel-major tensor: tiles
+/// merged in order.
+#[inline(always)]
+pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    g: &Geometry,
+    x: &[T],
+    c: usize,
+    o0: usize,
+    o1: usize,
+) -> Moments {
+    let mut m = Moments::EMPTY;
+    for tile in channel_tiles(g, c, o0, o1) {
+        m = m.merge(tile_moments(s, tile.pieces(x), tile.len()));
+    }
+    m
+}
+
+/// The moments of each channel of one task of a channel-major split.
+struct TaskMoments<'a, T> {
+    g: &'a Geometry,
+    x: &'a [T],
+    task: ChannelTask,
+}
+
+impl<T: Element> Kernel<T::Stat> for TaskMoments<'_, T> {
+    type Output = Vec<Moments>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Moments> {
+        let t = self.task;
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for c in t.c0..t.c1 {
+            out.push(channel_rows_in(s, self.g, self.x, c, t.o0, t.o1));
+        }
+        out
+    }
+}
+
+fn channel_major<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
+    let tasks = ChannelMajorSplit::new(g).tasks(g);
+    let partials = map_tasks(g, tasks.len(), |i| {
+        T::Stat::dispatch(
+            isa,
+            TaskMoments {
+                g,
+                x,
+                task: tasks[i],
+            },
+        )
     });
-    partials
-        .chunks(split.chunks)
-        .map(|p| p.iter().fold(Moments::EMPTY, |a, &b| a.merge(b)))
-        .collect()
+    merge_channel_results(g, &tasks, partials, Moments::merge)
 }
 
 /// Exact two-pass moments of one cache-resident tile of `n` elements.
-fn tile_moments<'a, T: Element>(
+#[inline(always)]
+fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
     pieces: impl Iterator<Item = &'a [T]> + Clone,
     n: usize,
 ) -> Moments {
-    let zero = T::Stat::ZERO;
-    let mut sum = [zero; LANES];
+    let l = S::LANES;
+    let zero = s.splat(U::ZERO);
+    let (mut a0, mut a1) = (zero, zero);
     for p in pieces.clone() {
-        let (body, tail) = p.split_at(p.len() - p.len() % LANES);
-        for ch in body.chunks_exact(LANES) {
-            for l in 0..LANES {
-                sum[l] = sum[l] + ch[l].widen();
-            }
+        let mut pairs = p.chunks_exact(2 * l);
+        for c in &mut pairs {
+            a0 = s.add(a0, s.load(c));
+            a1 = s.add(a1, s.load(&c[l..]));
         }
-        for (l, v) in tail.iter().enumerate() {
-            sum[l] = sum[l] + v.widen();
+        let mut r = pairs.remainder();
+        if r.len() >= l {
+            a0 = s.add(a0, s.load(r));
+            r = &r[l..];
+        }
+        if !r.is_empty() {
+            a1 = s.add(a1, s.load_partial(r));
         }
     }
-    let total = sum.iter().map(|v| v.to_f64()).sum::<f64>();
-    let pivot = T::Stat::from_f64(total / n as f64);
-    let (mut s1, mut s2) = ([zero; LANES], [zero; LANES]);
+    let pivot = U::from_f64((s.sum_f64(a0) + s.sum_f64(a1)) / n as f64);
+    let pv = s.splat(pivot);
+    let (mut s1, mut s2) = (zero, zero);
+    let (mut t1, mut t2) = (0f64, 0f64);
     for p in pieces {
-        let (body, tail) = p.split_at(p.len() - p.len() % LANES);
-        for ch in body.chunks_exact(LANES) {
-            for l in 0..LANES {
-                let d = ch[l].widen() - pivot;
-                s1[l] = s1[l] + d;
-                s2[l] = s2[l] + d * d;
-            }
+        let mut chunks = p.chunks_exact(l);
+        for c in &mut chunks {
+            let d = s.sub(s.load(c), pv);
+            s1 = s.add(s1, d);
+            s2 = s.mul_add(d, d, s2);
         }
-        for (l, v) in tail.iter().enumerate() {
+        for v in chunks.remainder() {
             let d = v.widen() - pivot;
-            s1[l] = s1[l] + d;
-            s2[l] = s2[l] + d * d;
+            t1 += d.to_f64();
+            t2 += (d * d).to_f64();
         }
     }
-    let s1 = s1.iter().map(|v| v.to_f64()).sum::<f64>();
-    let s2 = s2.iter().map(|v| v.to_f64()).sum::<f64>();
-    Moments::from_pivot(n, pivot.to_f64(), s1, s2)
+    Moments::from_pivot(n, pivot.to_f64(), s.sum_f64(s1) + t1, s.sum_f64(s2) + t2)
 }
 
-fn channels_last<T: Element>(g: &Geometry, x: &[T]) -> Vec<Moments> {
-    let c = g.channels;
-    let ppt = pixels_per_task(c);
-    let tile_px = pixels_per_tile(c);
-    let tasks = g.outer.div_ceil(ppt);
-    let partials = map_tasks(g, tasks, |t| {
-        let zero = T::Stat::ZERO;
-        let pixels = &x[t * ppt * c..((t + 1) * ppt).min(g.outer) * c];
-        let mut out = vec![Moments::EMPTY; c];
-        let (mut pivot, mut s1, mut s2) = (vec![zero; c], vec![zero; c], vec![zero; c]);
-        for tile in pixels.chunks(tile_px * c) {
+/// Moments of the pixels `x` (whole pixels of `c` channels) into `out`, by tiles.
+struct PixelMoments<'a, T: Element> {
+    x: &'a [T],
+    c: usize,
+    out: &'a mut [Moments],
+}
+
+impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) {
+        let (l, c) = (S::LANES, self.c);
+        let (full, rem) = (c / l, c % l);
+        let groups = c.div_ceil(l);
+        let zero = s.splat(T::Stat::ZERO);
+        let mut acc = vec![zero; groups];
+        let (mut v1, mut v2) = (vec![zero; groups], vec![zero; groups]);
+        let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
+        for tile in self.x.chunks(pixels_per_tile(c) * c) {
             let n = tile.len() / c;
-            pivot.fill(zero);
+            acc.fill(zero);
             for px in tile.chunks_exact(c) {
-                for (p, v) in pivot.iter_mut().zip(px) {
-                    *p = *p + v.widen();
+                for (g, a) in acc[..full].iter_mut().enumerate() {
+                    *a = s.add(*a, s.load(&px[g * l..]));
+                }
+                if rem > 0 {
+                    acc[full] = s.add(acc[full], s.load_partial(&px[full * l..]));
                 }
             }
-            let inv_n = T::Stat::from_f64(1.0 / n as f64);
-            for p in pivot.iter_mut() {
-                *p = *p * inv_n;
+            // Pivots: the tile means in f32 (lanes past C stay 0, so their d is 0).
+            let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
+            for a in acc.iter_mut() {
+                *a = s.mul(*a, inv);
             }
-            s1.fill(zero);
-            s2.fill(zero);
+            v1.fill(zero);
+            v2.fill(zero);
             for px in tile.chunks_exact(c) {
-                for (((a, b), p), v) in s1.iter_mut().zip(s2.iter_mut()).zip(&pivot).zip(px) {
-                    let d = v.widen() - *p;
-                    *a = *a + d;
-                    *b = *b + d * d;
+                for g in 0..full {
+                    let d = s.sub(s.load(&px[g * l..]), acc[g]);
+                    v1[g] = s.add(v1[g], d);
+                    v2[g] = s.mul_add(d, d, v2[g]);
+                }
+                if rem > 0 {
+                    let d = s.sub(s.load_partial(&px[full * l..]), acc[full]);
+                    v1[full] = s.add(v1[full], d);
+                    v2[full] = s.mul_add(d, d, v2[full]);
                 }
             }
-            for (ch, o) in out.iter_mut().enumerate() {
-                *o = o.merge(Moments::from_pivot(
+            let (pivots, rest) = lanes.split_at_mut(groups * l);
+            let (sum1, sum2) = rest.split_at_mut(groups * l);
+            for g in 0..groups {
+                s.store(&mut pivots[g * l..], acc[g]);
+                s.store(&mut sum1[g * l..], v1[g]);
+                s.store(&mut sum2[g * l..], v2[g]);
+            }
+            for (ch, o) in self.out.iter_mut().enumerate() {
+                let t = Moments::from_pivot(
                     n,
-                    pivot[ch].to_f64(),
-                    s1[ch].to_f64(),
-                    s2[ch].to_f64(),
-                ));
+                    pivots[ch].to_f64(),
+                    sum1[ch].to_f64(),
+                    sum2[ch].to_f64(),
+                );
+                *o = o.merge(t);
             }
         }
+    }
+}
+
+fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
+    let c = g.channels;
+    let ppt = pixels_per_reduce_task(c);
+    let tasks = g.outer.div_ceil(ppt);
+    let partials = map_tasks(g, tasks, |t| {
+        let mut out = vec![Moments::EMPTY; c];
+        let x = &x[t * ppt * c..((t + 1) * ppt).min(g.outer) * c];
+        T::Stat::dispatch(
+            isa,
+            PixelMoments {
+                x,
+                c,
+                out: &mut out,
+            },
+        );
         out
     });
     let mut total = vec![Moments::EMPTY; c];

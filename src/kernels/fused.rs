@@ -1,0 +1,362 @@
+//! Whole ops with the fewest trips to memory.
+//!
+//! - [`forward_training`]: statistics, then `y`. Channel-major with a channel slice that
+//!   fits in L2 ([`RESIDENT_BYTES`](super::RESIDENT_BYTES)): each task reduces one
+//!   channel and transforms it while it is hot — one DRAM read of x, one write of y.
+//!   Otherwise two passes (x is read twice).
+//! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
+//!   x of a channel fit in L2, two passes otherwise.
+//! - [`backward_inference`]: `dx = dy·k1` needs no reduction first, so the sums and
+//!   `dx` come from a single read of dy and x.
+//!
+//! The per-channel coefficients are the caller's business (the typed layer's math):
+//! the drivers call `coeffs(channel, reduction)` as soon as a channel's reduction is
+//! complete.
+
+use std::mem::size_of;
+
+use rayon::prelude::*;
+
+use super::apply::{run_splat, Affine};
+use super::backward::{self, row_sums, BackwardFn, BackwardSums, PixelSums};
+use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
+use super::stats::{self, Moments};
+use super::{
+    apply, merge_channel_results, pixels_per_reduce_task, ChannelMajorSplit, ChannelTask, Geometry,
+    RESIDENT_BYTES, TASK, TILE,
+};
+use crate::element::{Element, Real};
+
+/// The rows of each channel of a channel-major tensor: `rows[c][o]` is `inner`
+/// elements at outer index `o`.
+fn channel_rows_mut<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<Vec<&'a mut [T]>> {
+    let mut rows: Vec<Vec<&mut [T]>> = (0..g.channels)
+        .map(|_| Vec::with_capacity(g.outer))
+        .collect();
+    for (r, row) in out.chunks_mut(g.inner).enumerate() {
+        rows[r % g.channels].push(row);
+    }
+    rows
+}
+
+/// Maps `f` over owned items (in parallel when `g` is large), results in order.
+fn map_items<I: Send, R: Send>(
+    g: &Geometry,
+    items: Vec<I>,
+    f: impl Fn(usize, I) -> R + Sync + Send,
+) -> Vec<R> {
+    if g.parallel() {
+        items
+            .into_par_iter()
+            .enumerate()
+            .map(|(i, v)| f(i, v))
+            .collect()
+    } else {
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| f(i, v))
+            .collect()
+    }
+}
+
+/// Groups of whole channels of about [`TASK`] elements, each with the rows of its
+/// channels (`rows[i][o]` belongs to channel `c0 + i`).
+fn channel_groups<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<(usize, Vec<Vec<&'a mut [T]>>)> {
+    let per_group = (TASK / g.per_channel().max(1)).max(1);
+    let mut groups = Vec::new();
+    let mut rows = channel_rows_mut(g, out).into_iter();
+    for c0 in (0..g.channels).step_by(per_group) {
+        groups.push((c0, rows.by_ref().take(per_group).collect()));
+    }
+    groups
+}
+
+/// Forward training over a group of L2-resident channels: for each channel, its
+/// moments, then `y` from the still-cached rows.
+struct ResidentForward<'a, T: Element, F> {
+    g: &'a Geometry,
+    x: &'a [T],
+    c0: usize,
+    rows: Vec<Vec<&'a mut [T]>>,
+    coeffs: &'a F,
+    stream: bool,
+}
+
+impl<T: Element, F: Fn(usize, Moments) -> [T::Stat; 3]> Kernel<T::Stat>
+    for ResidentForward<'_, T, F>
+{
+    type Output = Vec<Moments>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Moments> {
+        let g = self.g;
+        let mut out = Vec::with_capacity(self.rows.len());
+        for (i, rows) in self.rows.into_iter().enumerate() {
+            let c = self.c0 + i;
+            let m = stats::channel_rows_in(s, g, self.x, c, 0, g.outer);
+            let k = splat_n(s, (self.coeffs)(c, m));
+            for (o, y) in rows.into_iter().enumerate() {
+                let x = &self.x[(o * g.channels + c) * g.inner..][..g.inner];
+                run_splat(s, [x], y, k, self.stream, &Affine);
+            }
+            out.push(m);
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
+}
+
+/// Backward training over a group of L2-resident channels: for each channel, its sums,
+/// then `dx` from the still-cached rows of dy and x.
+struct ResidentBackward<'a, T: Element, F> {
+    g: &'a Geometry,
+    dy: &'a [T],
+    x: &'a [T],
+    mean: &'a [T::Stat],
+    c0: usize,
+    rows: Vec<Vec<&'a mut [T]>>,
+    coeffs: &'a F,
+    stream: bool,
+}
+
+impl<T: Element, F: Fn(usize, f64, f64) -> [T::Stat; 3]> Kernel<T::Stat>
+    for ResidentBackward<'_, T, F>
+{
+    type Output = Vec<(f64, f64)>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let g = self.g;
+        let mut out = Vec::with_capacity(self.rows.len());
+        for (i, rows) in self.rows.into_iter().enumerate() {
+            let c = self.c0 + i;
+            let (sdy, sdx) =
+                backward::channel_rows_in(s, g, self.dy, self.x, self.mean[c], c, 0, g.outer);
+            let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
+            let k = splat_n(s, [dm, self.mean[c], k1, k2]);
+            for (o, dx) in rows.into_iter().enumerate() {
+                let off = (o * g.channels + c) * g.inner;
+                let ins = [&self.dy[off..][..g.inner], &self.x[off..][..g.inner]];
+                run_splat(s, ins, dx, k, self.stream, &BackwardFn);
+            }
+            out.push((sdy, sdx));
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
+}
+
+/// Forward pass in training mode: per-channel moments of `x`, then
+/// `y = (x − k[0])·k[1] + k[2]` with `k = coeffs(c, moments[c])`. Returns the moments.
+pub fn forward_training<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    x: &[T],
+    y: &mut [T],
+    coeffs: impl Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
+) -> Vec<Moments> {
+    let size = size_of::<T>();
+    if !g.channels_last() && g.per_channel() * size <= RESIDENT_BYTES {
+        let stream = g.stream(size);
+        let coeffs = &coeffs;
+        map_items(g, channel_groups(g, y), |_, (c0, rows)| {
+            T::Stat::dispatch(
+                isa,
+                ResidentForward {
+                    g,
+                    x,
+                    c0,
+                    rows,
+                    coeffs,
+                    stream,
+                },
+            )
+        })
+        .concat()
+    } else {
+        let moments = stats::channel_moments(g, isa, x);
+        let k: Vec<[T::Stat; 3]> = moments
+            .iter()
+            .enumerate()
+            .map(|(c, m)| coeffs(c, *m))
+            .collect();
+        let [shift, a, b] = columns(&k);
+        apply::affine(g, isa, x, &shift, &a, &b, y);
+        moments
+    }
+}
+
+/// Gradient in training mode: the backward sums, then
+/// `dx = (dy − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`.
+pub fn backward_training<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    dy: &[T],
+    x: &[T],
+    mean: &[T::Stat],
+    dx: &mut [T],
+    coeffs: impl Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
+) -> BackwardSums {
+    let size = size_of::<T>();
+    if !g.channels_last() && 2 * g.per_channel() * size <= RESIDENT_BYTES {
+        let stream = g.stream(size);
+        let coeffs = &coeffs;
+        let per = map_items(g, channel_groups(g, dx), |_, (c0, rows)| {
+            T::Stat::dispatch(
+                isa,
+                ResidentBackward {
+                    g,
+                    dy,
+                    x,
+                    mean,
+                    c0,
+                    rows,
+                    coeffs,
+                    stream,
+                },
+            )
+        })
+        .concat();
+        BackwardSums {
+            sum_dy: per.iter().map(|p| p.0).collect(),
+            sum_dy_xc: per.iter().map(|p| p.1).collect(),
+        }
+    } else {
+        let sums = backward::reduce(g, isa, dy, x, mean);
+        let k: Vec<[T::Stat; 3]> = (0..g.channels)
+            .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
+            .collect();
+        let [dm, k1, k2] = columns(&k);
+        backward::apply(g, isa, dy, x, &dm, mean, &k1, &k2, dx);
+        sums
+    }
+}
+
+/// Gradient in inference mode: `dx = dy·k1[c]` and the backward sums (with `mean`), in
+/// one read of dy and x.
+pub fn backward_inference<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    dy: &[T],
+    x: &[T],
+    mean: &[T::Stat],
+    k1: &[T::Stat],
+    dx: &mut [T],
+) -> BackwardSums {
+    let c = g.channels;
+    if g.channels_last() {
+        let ppt = pixels_per_reduce_task(c);
+        let chunks: Vec<&mut [T]> = dx.chunks_mut(ppt * c).collect();
+        let partials = map_items(g, chunks, |t, out| {
+            let range = t * ppt * c..t * ppt * c + out.len();
+            let mut sums = BackwardSums::zeros(c);
+            T::Stat::dispatch(
+                isa,
+                PixelSums {
+                    dy: &dy[range.clone()],
+                    x: &x[range],
+                    mean,
+                    dx: Some((out, k1)),
+                    sums: &mut sums,
+                },
+            );
+            sums
+        });
+        let mut sums = BackwardSums::zeros(c);
+        for p in &partials {
+            sums.add(p);
+        }
+        sums
+    } else {
+        let tasks = ChannelMajorSplit::new(g).tasks(g);
+        let stream = g.stream(size_of::<T>());
+        let mut rows: Vec<_> = channel_rows_mut(g, dx)
+            .into_iter()
+            .map(|r| r.into_iter())
+            .collect();
+        let items: Vec<(ChannelTask, Vec<Vec<&mut [T]>>)> = tasks
+            .iter()
+            .map(|t| {
+                (
+                    *t,
+                    (t.c0..t.c1)
+                        .map(|c| rows[c].by_ref().take(t.o1 - t.o0).collect())
+                        .collect(),
+                )
+            })
+            .collect();
+        let partials = map_items(g, items, |_, (task, rows)| {
+            T::Stat::dispatch(
+                isa,
+                InferenceRows {
+                    g,
+                    task,
+                    dy,
+                    x,
+                    mean,
+                    k1,
+                    rows,
+                    stream,
+                },
+            )
+        });
+        let per = merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1));
+        BackwardSums {
+            sum_dy: per.iter().map(|p| p.0).collect(),
+            sum_dy_xc: per.iter().map(|p| p.1).collect(),
+        }
+    }
+}
+
+/// The inference gradient over one task of a channel-major split: per channel, sums
+/// flushed to `f64` every [`TILE`] elements, and `dx = dy·k1`.
+struct InferenceRows<'a, T: Element> {
+    g: &'a Geometry,
+    task: ChannelTask,
+    dy: &'a [T],
+    x: &'a [T],
+    mean: &'a [T::Stat],
+    k1: &'a [T::Stat],
+    rows: Vec<Vec<&'a mut [T]>>,
+    stream: bool,
+}
+
+impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
+    type Output = Vec<(f64, f64)>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let (g, t) = (self.g, self.task);
+        let zero = s.splat(T::Stat::ZERO);
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for (i, rows) in self.rows.into_iter().enumerate() {
+            let c = t.c0 + i;
+            let (m, k1) = (s.splat(self.mean[c]), s.splat(self.k1[c]));
+            let (mut acc, mut pending) = ((zero, zero), 0);
+            let (mut sdy, mut sdx) = (0f64, 0f64);
+            for (j, dx) in rows.into_iter().enumerate() {
+                let off = ((t.o0 + j) * g.channels + c) * g.inner;
+                let (d, x) = (&self.dy[off..][..g.inner], &self.x[off..][..g.inner]);
+                acc = row_sums(s, d, x, m, Some((dx, self.stream)), k1, acc);
+                pending += g.inner;
+                if pending >= TILE {
+                    sdy += s.sum_f64(acc.0);
+                    sdx += s.sum_f64(acc.1);
+                    (acc, pending) = ((zero, zero), 0);
+                }
+            }
+            out.push((sdy + s.sum_f64(acc.0), sdx + s.sum_f64(acc.1)));
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
+}
+
+/// Splits per-channel triples into three per-channel vectors.
+fn columns<U: Real>(k: &[[U; 3]]) -> [Vec<U>; 3] {
+    std::array::from_fn(|i| k.iter().map(|t| t[i]).collect())
+}

@@ -1,0 +1,148 @@
+//! AVX-512 (F, BW, VL): 16 f32 lanes, masked loads and stores for tails, f16 via the
+//! `vcvtph2ps`/`vcvtps2ph` conversions, bf16 by shifting (round to nearest even on
+//! store, NaN kept quiet exactly as `half::bf16::from_f32` does).
+
+use std::arch::x86_64::*;
+
+use super::{Kernel, Simd};
+use crate::element::Element;
+use crate::tensor::DType;
+
+/// Token of the AVX-512 ISA; made only by [`run`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512(());
+
+/// Runs `k` compiled for AVX-512.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL (and FMA, F16C, which they imply).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
+    k.run(Avx512(()))
+}
+
+const L: usize = 16;
+
+#[inline(always)]
+fn mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// f32 → bf16 bits (round to nearest even; NaN → quiet NaN with the high payload).
+#[inline(always)]
+unsafe fn to_bf16(v: __m512) -> __m256i {
+    let bits = _mm512_castps_si512(v);
+    let hi = _mm512_srli_epi32::<16>(bits);
+    let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+    let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+    let out = _mm512_mask_mov_epi32(_mm512_srli_epi32::<16>(rounded), nan, quiet);
+    _mm512_cvtepi32_epi16(out)
+}
+
+#[inline(always)]
+unsafe fn from_bf16(h: __m256i) -> __m512 {
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+impl Simd<f32> for Avx512 {
+    const LANES: usize = L;
+    type V = __m512;
+
+    // SAFETY (every method): an `Avx512` token exists only inside `run`, whose caller
+    // guarantees the features; slice lengths are checked before each pointer access.
+    #[inline(always)]
+    fn splat(self, v: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn sum_f64(self, v: __m512) -> f64 {
+        let mut a = [0f32; L];
+        unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) };
+        a.iter().map(|&x| x as f64).sum()
+    }
+    #[inline(always)]
+    fn load<T: Element<Stat = f32>>(self, src: &[T]) -> __m512 {
+        assert!(src.len() >= L);
+        let p = src.as_ptr();
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                DType::BF16 => from_bf16(_mm256_loadu_si256(p.cast())),
+                _ => _mm512_loadu_ps(p.cast()),
+            }
+        }
+    }
+    #[inline(always)]
+    fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m512 {
+        let (p, m) = (src.as_ptr(), mask(src.len().min(L)));
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p.cast())),
+                DType::BF16 => from_bf16(_mm256_maskz_loadu_epi16(m, p.cast())),
+                _ => _mm512_maskz_loadu_ps(m, p.cast()),
+            }
+        }
+    }
+    #[inline(always)]
+    fn store<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
+        assert!(dst.len() >= L);
+        let p = dst.as_mut_ptr();
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_storeu_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
+                DType::BF16 => _mm256_storeu_si256(p.cast(), to_bf16(v)),
+                _ => _mm512_storeu_ps(p.cast(), v),
+            }
+        }
+    }
+    #[inline(always)]
+    fn store_partial<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
+        let (p, m) = (dst.as_mut_ptr(), mask(dst.len().min(L)));
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_mask_storeu_epi16(p.cast(), m, _mm512_cvtps_ph::<RNE>(v)),
+                DType::BF16 => _mm256_mask_storeu_epi16(p.cast(), m, to_bf16(v)),
+                _ => _mm512_mask_storeu_ps(p.cast(), m, v),
+            }
+        }
+    }
+    #[inline(always)]
+    fn stream<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
+        assert!(dst.len() >= L);
+        let p = dst.as_mut_ptr();
+        if !(p as usize).is_multiple_of(L * std::mem::size_of::<T>()) {
+            return self.store(dst, v);
+        }
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_stream_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
+                DType::BF16 => _mm256_stream_si256(p.cast(), to_bf16(v)),
+                _ => _mm512_stream_ps(p.cast(), v),
+            }
+        }
+    }
+    #[inline(always)]
+    fn fence(self) {
+        unsafe { _mm_sfence() }
+    }
+}

@@ -1,0 +1,68 @@
+//! The portable ISA: vectors are `[U; 8]` arrays and every operation a lane loop, which
+//! the compiler vectorizes with whatever the build target allows. Also runs every
+//! f64 kernel.
+
+use super::Simd;
+use crate::element::{Element, Real};
+
+/// Token of the portable ISA (always available).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Portable;
+
+const L: usize = 8;
+
+impl<U: Real> Simd<U> for Portable {
+    const LANES: usize = L;
+    type V = [U; L];
+
+    #[inline(always)]
+    fn splat(self, v: U) -> [U; L] {
+        [v; L]
+    }
+    #[inline(always)]
+    fn add(self, a: [U; L], b: [U; L]) -> [U; L] {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    fn sub(self, a: [U; L], b: [U; L]) -> [U; L] {
+        std::array::from_fn(|i| a[i] - b[i])
+    }
+    #[inline(always)]
+    fn mul(self, a: [U; L], b: [U; L]) -> [U; L] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    fn mul_add(self, a: [U; L], b: [U; L], c: [U; L]) -> [U; L] {
+        // Unfused: a software fma per lane would be far slower than the rest.
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    fn sum_f64(self, v: [U; L]) -> f64 {
+        v.iter().map(|x| x.to_f64()).sum()
+    }
+    #[inline(always)]
+    fn load<T: Element<Stat = U>>(self, src: &[T]) -> [U; L] {
+        let src = &src[..L];
+        std::array::from_fn(|i| src[i].widen())
+    }
+    #[inline(always)]
+    fn load_partial<T: Element<Stat = U>>(self, src: &[T]) -> [U; L] {
+        let mut v = [U::ZERO; L];
+        for (d, s) in v.iter_mut().zip(src) {
+            *d = s.widen();
+        }
+        v
+    }
+    #[inline(always)]
+    fn store<T: Element<Stat = U>>(self, dst: &mut [T], v: [U; L]) {
+        for (d, s) in dst[..L].iter_mut().zip(v) {
+            *d = T::narrow(s);
+        }
+    }
+    #[inline(always)]
+    fn store_partial<T: Element<Stat = U>>(self, dst: &mut [T], v: [U; L]) {
+        for (d, s) in dst.iter_mut().zip(v) {
+            *d = T::narrow(s);
+        }
+    }
+}
