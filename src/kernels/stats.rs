@@ -177,10 +177,18 @@ fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
     }
     let pivot = U::from_f64((s.sum_f64(a0) + s.sum_f64(a1)) / n as f64);
     let pv = s.splat(pivot);
-    let (mut s1, mut s2) = (zero, zero);
+    let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
     let (mut t1, mut t2) = (0f64, 0f64);
     for p in pieces {
-        let mut chunks = p.chunks_exact(l);
+        let mut pairs = p.chunks_exact(2 * l);
+        for c in &mut pairs {
+            let (d, e) = (s.sub(s.load(c), pv), s.sub(s.load(&c[l..]), pv));
+            s1 = s.add(s1, d);
+            s2 = s.mul_add(d, d, s2);
+            r1 = s.add(r1, e);
+            r2 = s.mul_add(e, e, r2);
+        }
+        let mut chunks = pairs.remainder().chunks_exact(l);
         for c in &mut chunks {
             let d = s.sub(s.load(c), pv);
             s1 = s.add(s1, d);
@@ -192,6 +200,7 @@ fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
             t2 += (d * d).to_f64();
         }
     }
+    let (s1, s2) = (s.add(s1, r1), s.add(s2, r2));
     Moments::from_pivot(n, pivot.to_f64(), s.sum_f64(s1) + t1, s.sum_f64(s2) + t2)
 }
 
@@ -209,46 +218,67 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let (l, c) = (S::LANES, self.c);
         let (full, rem) = (c / l, c % l);
         let groups = c.div_ceil(l);
+        // With few vectors per pixel, consecutive pixels go to separate accumulator sets
+        // so that at least four add chains run at once.
+        let sets = 4usize.div_ceil(groups);
         let zero = s.splat(T::Stat::ZERO);
-        let mut acc = vec![zero; groups];
-        let (mut v1, mut v2) = (vec![zero; groups], vec![zero; groups]);
+        let mut acc = vec![zero; sets * groups];
+        let (mut v1, mut v2) = (vec![zero; sets * groups], vec![zero; sets * groups]);
         let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
-        for tile in self.x.chunks(pixels_per_tile(c) * c) {
+        let tile_len = pixels_per_tile(c) * c;
+        for (t, tile) in self.x.chunks(tile_len).enumerate() {
             let n = tile.len() / c;
+            // The next tile, fetched during this tile's second (cache-only) pass so
+            // that memory never idles.
+            let next = self.x.get((t + 1) * tile_len..).unwrap_or(&[]);
             acc.fill(zero);
-            for px in tile.chunks_exact(c) {
-                for (g, a) in acc[..full].iter_mut().enumerate() {
-                    *a = s.add(*a, s.load(&px[g * l..]));
+            for (i, px) in tile.chunks_exact(c).enumerate() {
+                let a = &mut acc[(i % sets) * groups..][..groups];
+                for g in 0..full {
+                    a[g] = s.add(a[g], s.load(&px[g * l..]));
                 }
                 if rem > 0 {
-                    acc[full] = s.add(acc[full], s.load_partial(&px[full * l..]));
+                    a[full] = s.add(a[full], s.load_partial(&px[full * l..]));
                 }
             }
             // Pivots: the tile means in f32 (lanes past C stay 0, so their d is 0).
             let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
-            for a in acc.iter_mut() {
-                *a = s.mul(*a, inv);
+            for g in 0..groups {
+                let mut sum = acc[g];
+                for k in 1..sets {
+                    sum = s.add(sum, acc[k * groups + g]);
+                }
+                acc[g] = s.mul(sum, inv);
             }
+            let pivot = &acc[..groups];
             v1.fill(zero);
             v2.fill(zero);
-            for px in tile.chunks_exact(c) {
+            for (i, px) in tile.chunks_exact(c).enumerate() {
+                let k = (i % sets) * groups;
+                let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
                 for g in 0..full {
-                    let d = s.sub(s.load(&px[g * l..]), acc[g]);
-                    v1[g] = s.add(v1[g], d);
-                    v2[g] = s.mul_add(d, d, v2[g]);
+                    s.prefetch(next.get(i * c + g * l..).unwrap_or(&[]));
+                    let d = s.sub(s.load(&px[g * l..]), pivot[g]);
+                    a[g] = s.add(a[g], d);
+                    b[g] = s.mul_add(d, d, b[g]);
                 }
                 if rem > 0 {
-                    let d = s.sub(s.load_partial(&px[full * l..]), acc[full]);
-                    v1[full] = s.add(v1[full], d);
-                    v2[full] = s.mul_add(d, d, v2[full]);
+                    let d = s.sub(s.load_partial(&px[full * l..]), pivot[full]);
+                    a[full] = s.add(a[full], d);
+                    b[full] = s.mul_add(d, d, b[full]);
                 }
             }
             let (pivots, rest) = lanes.split_at_mut(groups * l);
             let (sum1, sum2) = rest.split_at_mut(groups * l);
             for g in 0..groups {
-                s.store(&mut pivots[g * l..], acc[g]);
-                s.store(&mut sum1[g * l..], v1[g]);
-                s.store(&mut sum2[g * l..], v2[g]);
+                let (mut a, mut b) = (v1[g], v2[g]);
+                for k in 1..sets {
+                    a = s.add(a, v1[k * groups + g]);
+                    b = s.add(b, v2[k * groups + g]);
+                }
+                s.store(&mut pivots[g * l..], pivot[g]);
+                s.store(&mut sum1[g * l..], a);
+                s.store(&mut sum2[g * l..], b);
             }
             for (ch, o) in self.out.iter_mut().enumerate() {
                 let t = Moments::from_pivot(

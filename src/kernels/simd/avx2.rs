@@ -131,4 +131,10 @@ impl Simd<f32> for Avx2 {
     fn fence(self) {
         unsafe { _mm_sfence() }
     }
+    #[inline(always)]
+    fn prefetch<T>(self, data: &[T]) {
+        if !data.is_empty() {
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(data.as_ptr().cast()) }
+        }
+    }
 }

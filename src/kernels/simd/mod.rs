@@ -209,6 +209,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     }
     /// Orders preceding streaming stores before later stores.
     fn fence(self) {}
+    /// Hints that the cache line holding `data[0]` will be read soon (into L2). A
+    /// hint only: no effect on results; empty slices are ignored.
+    fn prefetch<T>(self, _data: &[T]) {}
 }
 
 // Array helpers for kernels with several inputs or constants. Plain loops, not
