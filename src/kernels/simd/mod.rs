@@ -256,3 +256,120 @@ pub(crate) fn load_partial_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N:
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// Round-trips `src` through one ISA's loads and stores: full vectors, then a
+    /// partial tail.
+    struct RoundTrip<'a, T> {
+        src: &'a [f32],
+        out: &'a mut [T],
+        back: &'a mut [f32],
+    }
+
+    impl<T: Element<Stat = f32>> Kernel<f32> for RoundTrip<'_, T> {
+        type Output = ();
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) {
+            let (l, n) = (S::LANES, self.src.len());
+            let mut i = 0;
+            while i + l <= n {
+                s.store(&mut self.out[i..], s.load(&self.src[i..]));
+                s.store(&mut self.back[i..], s.load(&self.out[i..]));
+                i += l;
+            }
+            s.store_partial(&mut self.out[i..], s.load_partial(&self.src[i..]));
+            s.store_partial(&mut self.back[i..], s.load_partial(&self.out[i..]));
+        }
+    }
+
+    /// Values where conversions go wrong: ties to even, NaN payloads, infinities,
+    /// overflow, subnormals of both types, signed zeros.
+    fn awkward() -> Vec<f32> {
+        let mut v = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7FC0_1234),
+            f32::from_bits(0x7F80_0001), // signalling NaN
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40, // f32 subnormal
+            65504.0,
+            65520.0, // rounds to f16 infinity
+            6.0e-8,  // f16 subnormal
+            3.0e-5,
+            1.0 + 2f32.powi(-11), // f16 tie, to even
+            1.0 + 3.0 * 2f32.powi(-11),
+            1.0 + 2f32.powi(-8), // bf16 tie, to even
+            1.0 + 3.0 * 2f32.powi(-8),
+            f32::from_bits(0x3F80_8001),
+            f32::from_bits(0x7F7F_FFFF),
+        ];
+        // A sweep of bit patterns.
+        let mut bits = 0x0000_1234u32;
+        for _ in 0..200 {
+            bits = bits.wrapping_mul(2_654_435_761).wrapping_add(0x9E37);
+            v.push(f32::from_bits(bits));
+        }
+        v
+    }
+
+    fn check<T: Element<Stat = f32> + PartialEq>(to_bits: fn(T) -> u16) {
+        let src = awkward();
+        for isa in Isa::supported() {
+            for len in [src.len(), 13, 1] {
+                let src = &src[..len];
+                let mut out = vec![T::default(); len];
+                let mut back = vec![0f32; len];
+                isa.run(RoundTrip {
+                    src,
+                    out: &mut out,
+                    back: &mut back,
+                });
+                for (i, (&x, (&o, &b))) in src.iter().zip(out.iter().zip(&back)).enumerate() {
+                    let want = T::narrow(x);
+                    assert_eq!(
+                        to_bits(o),
+                        to_bits(want),
+                        "{isa} {:?}: element {i} = {x:e} ({:#010x})",
+                        T::DTYPE,
+                        x.to_bits()
+                    );
+                    assert_eq!(
+                        b.to_bits(),
+                        o.widen().to_bits(),
+                        "{isa}: widening element {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_conversions_match_the_half_crate_on_every_isa() {
+        check::<f16>(f16::to_bits);
+    }
+
+    #[test]
+    fn bf16_conversions_match_the_half_crate_on_every_isa() {
+        check::<bf16>(bf16::to_bits);
+    }
+
+    #[test]
+    fn isa_names_round_trip_and_detection_is_supported() {
+        for isa in Isa::ALL {
+            assert_eq!(isa.name().parse::<Isa>().unwrap(), isa);
+        }
+        assert!(Isa::detect().is_supported());
+        assert!("sse".parse::<Isa>().is_err());
+    }
+}
