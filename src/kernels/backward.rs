@@ -33,13 +33,25 @@ impl BackwardSums {
         }
     }
 
-    /// Adds `other` channel by channel.
-    pub fn add(&mut self, other: &BackwardSums) {
-        for (a, b) in self.sum_dy.iter_mut().zip(&other.sum_dy) {
-            *a += b;
+    /// The channel-by-channel total of per-task partial sums, added in task order.
+    pub fn total(c: usize, partials: &[BackwardSums]) -> Self {
+        let mut sums = BackwardSums::zeros(c);
+        for p in partials {
+            for (a, b) in sums.sum_dy.iter_mut().zip(&p.sum_dy) {
+                *a += b;
+            }
+            for (a, b) in sums.sum_dy_xc.iter_mut().zip(&p.sum_dy_xc) {
+                *a += b;
+            }
         }
-        for (a, b) in self.sum_dy_xc.iter_mut().zip(&other.sum_dy_xc) {
-            *a += b;
+        sums
+    }
+
+    /// Sums from per-channel `(Σdy, Σdy·(x − μ))` pairs.
+    pub fn from_pairs(pairs: &[(f64, f64)]) -> Self {
+        BackwardSums {
+            sum_dy: pairs.iter().map(|p| p.0).collect(),
+            sum_dy_xc: pairs.iter().map(|p| p.1).collect(),
         }
     }
 }
@@ -71,11 +83,7 @@ pub fn reduce<T: Element>(
             );
             sums
         });
-        let mut sums = BackwardSums::zeros(c);
-        for p in &partials {
-            sums.add(p);
-        }
-        sums
+        BackwardSums::total(c, &partials)
     } else {
         let tasks = ChannelMajorSplit::new(g).tasks(g);
         let partials = map_tasks(g, tasks.len(), |i| {
@@ -91,10 +99,7 @@ pub fn reduce<T: Element>(
             )
         });
         let per = merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1));
-        BackwardSums {
-            sum_dy: per.iter().map(|p| p.0).collect(),
-            sum_dy_xc: per.iter().map(|p| p.1).collect(),
-        }
+        BackwardSums::from_pairs(&per)
     }
 }
 

@@ -220,10 +220,7 @@ pub fn backward_training<T: Element>(
             )
         })
         .concat();
-        BackwardSums {
-            sum_dy: per.iter().map(|p| p.0).collect(),
-            sum_dy_xc: per.iter().map(|p| p.1).collect(),
-        }
+        BackwardSums::from_pairs(&per)
     } else {
         let sums = backward::reduce(g, isa, dy, x, mean);
         let k: Vec<[T::Stat; 3]> = (0..g.channels)
@@ -265,11 +262,7 @@ pub fn backward_inference<T: Element>(
             );
             sums
         });
-        let mut sums = BackwardSums::zeros(c);
-        for p in &partials {
-            sums.add(p);
-        }
-        sums
+        BackwardSums::total(c, &partials)
     } else {
         let tasks = ChannelMajorSplit::new(g).tasks(g);
         let stream = g.stream(size_of::<T>());
@@ -304,10 +297,7 @@ pub fn backward_inference<T: Element>(
             )
         });
         let per = merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1));
-        BackwardSums {
-            sum_dy: per.iter().map(|p| p.0).collect(),
-            sum_dy_xc: per.iter().map(|p| p.1).collect(),
-        }
+        BackwardSums::from_pairs(&per)
     }
 }
 
