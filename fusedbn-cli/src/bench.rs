@@ -3,12 +3,28 @@
 //!
 //! Structure, so that later work can add statistics, ISAs or other baselines without
 //! touching the rest:
-//! - [`BenchArgs`] → a list of [`Case`]s ([`cases`]);
+//! - [`BenchArgs`] → a list of [`Case`]s ([`cases`]): shape × format × op × dtype × ISA ×
+//!   threads;
 //! - per case, a [`Workload`] owns every buffer (allocated once, outside the timed loop)
 //!   and knows how to run the op ([`Workload::run_op`]), the baseline
 //!   ([`Workload::run_copy`]) and the correctness check ([`Workload::check`]);
-//! - [`measure`] interleaves timed op and copy runs and returns a [`Measurement`];
-//! - [`Report`] prints it as a table row or a JSON line.
+//! - [`measure`] warms both up, then times op/copy *pairs* and returns a
+//!   [`Measurement`];
+//! - [`Report`] prints it as a table row or a JSON line; [`Progress`] draws a bar on
+//!   stderr when it is a terminal.
+//!
+//! # Why the median of per-pair ratios
+//!
+//! The machines this runs on are shared: the time to copy the same buffer drifts by up
+//! to 2× from one second to the next (other tenants, clock changes). The op's median and
+//! the copy's median are each fine, but their ratio mixes in whatever the bandwidth did
+//! between the moments the two medians happen to come from. So every op run is timed
+//! right next to one copy of the same bytes (a *pair*; the order alternates, op first on
+//! even pairs and copy first on odd ones, so that neither always runs in the other's
+//! wake), each pair gives a ratio `op_i / copy_i` in which any drift slower than a pair
+//! cancels, and `copy_ratio` is the median of those ratios (a pair hit by a burst is an
+//! outlier the median ignores). The ratio of the two medians is reported beside it
+//! (`ratio_of_medians` in JSON), and the quartiles of the pair ratios show the spread.
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -18,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use fusedbn::batch_norm::{Gradients, RunningStats, SavedStats};
+use fusedbn::kernels::simd::Isa;
 use fusedbn::kernels::{PARALLEL_MIN, TASK};
 use fusedbn::{reference, DType, DataFormat, Element, Problem, Real};
 use rayon::prelude::*;
@@ -40,34 +57,70 @@ const RESNET50: [(usize, usize, usize); 9] = [
 const BATCH: usize = 16;
 const QUICK_BATCH: usize = 2;
 
+/// Untimed op/copy pairs before timing starts, at least (and at least [`WARMUP_TIME`]).
+const WARMUP_PAIRS: usize = 2;
+/// Untimed warm-up per case, at least: wakes the thread pool, faults in every page of
+/// every buffer and lets the clock settle.
+const WARMUP_TIME: Duration = Duration::from_millis(10);
+/// With `--min-time`, a case runs at most this many times `--runs` pairs.
+const MAX_PAIRS_FACTOR: usize = 100;
+
 /// Arguments of `fusedbn bench`.
 #[derive(Debug, Args)]
 #[command(after_help = bench_help())]
 pub struct BenchArgs {
-    /// Op to time (repeatable) [default: forward_training, forward_inference, backward_training]
-    #[arg(long = "op", value_enum, value_name = "OP")]
+    /// Op to time (repeatable or comma-separated) [default: all four]
+    #[arg(long = "op", value_enum, value_name = "OP", value_delimiter = ',')]
     pub ops: Vec<BenchOp>,
 
-    /// Data format (repeatable) [default: NHWC and NCHW; NDHWC and NCDHW for 5-number shapes]
-    #[arg(long = "format", value_name = "FORMAT", value_parser = parse_format)]
+    /// Data format (repeatable or comma-separated) [default: NHWC and NCHW; NDHWC and
+    /// NCDHW for 5-number shapes]
+    #[arg(
+        long = "format",
+        visible_alias = "layout",
+        value_name = "FORMAT",
+        value_parser = parse_format,
+        value_delimiter = ','
+    )]
     pub formats: Vec<DataFormat>,
 
-    /// Element type of x, y, dy and dx
-    #[arg(long, value_enum, default_value_t = BenchDtype::F32)]
-    pub dtype: BenchDtype,
+    /// Element type of x, y, dy and dx (repeatable or comma-separated) [default: f32]
+    #[arg(
+        long = "dtype",
+        value_enum,
+        value_name = "DTYPE",
+        value_delimiter = ','
+    )]
+    pub dtypes: Vec<BenchDtype>,
 
     /// Logical shape N,H,W,C (or N,D,H,W,C), laid out per format; replaces the built-in
     /// list (repeatable). A 4-number shape runs in 5-D formats with D = 1.
     #[arg(long = "shape", value_name = "N,H,W,C", value_parser = parse_shape)]
     pub shapes: Vec<LogicalShape>,
 
-    /// Timed runs per case (the median is reported)
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Kernels to run: scalar, avx2, avx512, or all (every one this CPU supports);
+    /// repeatable or comma-separated [default: the best this CPU has, or FUSEDBN_ISA]
+    #[arg(long = "isa", value_name = "ISA", value_delimiter = ',')]
+    pub isas: Vec<String>,
+
+    /// Size of the thread pool (repeatable or comma-separated) [default: rayon's default,
+    /// one per core]
+    #[arg(
+        long = "threads",
+        value_name = "N",
+        value_delimiter = ',',
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub threads: Vec<u32>,
+
+    /// Timed op/copy pairs per case, at least
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     pub runs: u32,
 
-    /// Size of the thread pool [default: rayon's default]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub threads: Option<u32>,
+    /// Keep adding timed pairs until a case has been timed this many seconds (at most
+    /// 100 × --runs pairs; 0: exactly --runs pairs)
+    #[arg(long = "min-time", value_name = "SECONDS", default_value_t = 0.2, value_parser = parse_seconds)]
+    pub min_time: f64,
 
     /// Built-in shapes with N = 2 instead of 16 (a fast smoke run)
     #[arg(long)]
@@ -76,6 +129,10 @@ pub struct BenchArgs {
     /// One JSON object per line instead of the table
     #[arg(long)]
     pub json: bool,
+
+    /// With --json: also every pair's times (`pairs_op_ms`, `pairs_copy_ms`, in run order)
+    #[arg(long, requires = "json")]
+    pub raw: bool,
 }
 
 /// The text after `fusedbn bench --help`'s options.
@@ -88,10 +145,15 @@ fn bench_help() -> String {
         "Without --shape: ResNet-50's batch-norm shapes, N = {BATCH} ({QUICK_BATCH} with --quick) and\n\
          (H,W,C) = {}.\n\
          Each case runs once untimed and is checked against the f64 reference on up to 4 channels,\n\
-         then --runs times, alternating the op with a parallel copy of the same bytes (forward:\n\
-         y <- x; backward: dx <- dy plus a summed read of x). The table reports medians; GB/s counts\n\
-         the bytes the op must move (forward: read x + write y; backward: read dy and x + write dx).\n\
-         Exits with status 1 if any check fails.",
+         then op and copy alternate untimed (warm-up), then --runs timed pairs (more with\n\
+         --min-time), each an op run next to a parallel copy of the same bytes (forward: y <- x;\n\
+         backward: dx <- dy plus a summed read of x; f16/bf16 copy their own 2-byte elements).\n\
+         ms and copy ms are medians; op/copy is the median of the per-pair ratios op_i/copy_i,\n\
+         which cancels the machine's bandwidth drift (the ratio of the medians is in --json as\n\
+         ratio_of_medians), with the pair ratios' quartiles beside it. GB/s counts the bytes the op\n\
+         must move (forward: read x + write y; backward: read dy and x + write dx).\n\
+         Exits with status 1 if any check fails, 2 on invalid arguments (an unknown --isa, or one\n\
+         this CPU lacks).",
         shapes.join(", ")
     )
 }
@@ -111,10 +173,11 @@ pub enum BenchOp {
 }
 
 impl BenchOp {
-    const DEFAULT: [BenchOp; 3] = [
+    const DEFAULT: [BenchOp; 4] = [
         BenchOp::ForwardTraining,
         BenchOp::ForwardInference,
         BenchOp::BackwardTraining,
+        BenchOp::BackwardInference,
     ];
 
     fn name(self) -> &'static str {
@@ -192,6 +255,65 @@ fn parse_format(s: &str) -> Result<DataFormat, String> {
         .map_err(|e: fusedbn::Error| e.to_string())
 }
 
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds from 0 to 3600")),
+    }
+}
+
+/// The names `--isa` accepts, for messages.
+fn isa_names() -> String {
+    let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
+    names.join(", ")
+}
+
+/// `--isa`'s values → ISAs this CPU runs, checked before anything is timed. An unknown
+/// name or an ISA the CPU lacks is a one-line error (exit status 2).
+fn parse_isas(values: &[String]) -> Result<Vec<Isa>> {
+    if values.is_empty() {
+        return Ok(vec![Isa::default_isa()]);
+    }
+    let supported: Vec<&str> = Isa::supported().iter().map(|i| i.name()).collect();
+    let mut out = Vec::new();
+    for v in values {
+        let name = v.trim().to_ascii_lowercase();
+        if name == "all" {
+            out.extend(Isa::supported());
+            continue;
+        }
+        let isa: Isa = name.parse().map_err(|_| {
+            CliError::new(format!(
+                "--isa {v:?}: unknown instruction set; expected one of {}, or all (this CPU supports {})",
+                isa_names(),
+                supported.join(", ")
+            ))
+        })?;
+        // The library's own check (the same one every case's problem goes through).
+        Problem::new(DataFormat::Nhwc, &[1, 1, 1, 1])?
+            .with_isa(isa)
+            .map_err(|_| {
+                CliError::new(format!(
+                    "--isa {}: this CPU does not support it (it supports {})",
+                    isa.name(),
+                    supported.join(", ")
+                ))
+            })?;
+        out.push(isa);
+    }
+    Ok(dedup(&out))
+}
+
+/// The ISA the kernels of `dtype` really run with when the problem asks for `isa`: the
+/// f64 kernels are always the portable ones (`fusedbn::kernels::simd::Dispatch`).
+fn effective_isa(dtype: DType, isa: Isa) -> Isa {
+    if dtype == DType::F64 {
+        Isa::Scalar
+    } else {
+        isa
+    }
+}
+
 /// The shape of `x` in `format`'s own axis order.
 fn layout(logical: &LogicalShape, format: DataFormat) -> Result<Vec<usize>> {
     let (n, d, h, w, c) = match logical.0[..] {
@@ -221,6 +343,11 @@ pub struct Case {
     pub format: DataFormat,
     /// The shape of x, in the format's axis order.
     pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// The ISA asked for (see [`effective_isa`] for the one that runs).
+    pub isa: Isa,
+    /// Index into the thread pools (one per `--threads` value).
+    pub pool: usize,
 }
 
 impl Case {
@@ -230,12 +357,25 @@ impl Case {
     }
 
     fn label(&self) -> String {
-        format!("{} {} {}", self.op.name(), self.format, self.shape_str())
+        format!(
+            "{} {} {} {} {}",
+            self.op.name(),
+            self.format,
+            self.shape_str(),
+            self.dtype,
+            self.isa
+        )
+    }
+
+    /// Bytes the op reads and writes (also the progress bar's weight).
+    fn bytes(&self) -> usize {
+        self.op.tensors_moved() * self.shape.iter().product::<usize>() * self.dtype.size()
     }
 }
 
-/// The cases `args` asks for: shapes, then formats, then ops.
-fn cases(args: &BenchArgs) -> Result<Vec<Case>> {
+/// The cases `args` asks for: shapes, then formats, ops, dtypes, ISAs and thread counts
+/// (the last ones vary fastest, so that the rows to compare are adjacent).
+fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
     let shapes: Vec<LogicalShape> = if args.shapes.is_empty() {
         let n = if args.quick { QUICK_BATCH } else { BATCH };
         RESNET50
@@ -250,6 +390,11 @@ fn cases(args: &BenchArgs) -> Result<Vec<Case>> {
     } else {
         dedup(&args.ops)
     };
+    let dtypes: Vec<DType> = if args.dtypes.is_empty() {
+        vec![DType::F32]
+    } else {
+        dedup(&args.dtypes).into_iter().map(|d| d.dtype()).collect()
+    };
     let mut out = Vec::new();
     for logical in &shapes {
         let formats = if !args.formats.is_empty() {
@@ -262,11 +407,26 @@ fn cases(args: &BenchArgs) -> Result<Vec<Case>> {
         for format in formats {
             let shape = layout(logical, format)?;
             for &op in &ops {
-                out.push(Case {
-                    op,
-                    format,
-                    shape: shape.clone(),
-                });
+                for &dtype in &dtypes {
+                    // ISAs that run the same kernels for this dtype (f64) run once.
+                    let mut seen = Vec::new();
+                    for &isa in isas {
+                        if seen.contains(&effective_isa(dtype, isa)) {
+                            continue;
+                        }
+                        seen.push(effective_isa(dtype, isa));
+                        for pool in 0..pools {
+                            out.push(Case {
+                                op,
+                                format,
+                                shape: shape.clone(),
+                                dtype,
+                                isa,
+                                pool,
+                            });
+                        }
+                    }
+                }
             }
         }
     }
@@ -283,18 +443,54 @@ fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
     out
 }
 
+/// How many pairs [`measure`] times.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    /// Timed pairs, at least.
+    pub runs: usize,
+    /// Keep timing pairs until this long has been spent timing (up to
+    /// [`MAX_PAIRS_FACTOR`] × `runs` pairs).
+    pub min_time: Duration,
+}
+
+impl Plan {
+    /// A rough guess of a case's seconds (for the progress bar's share and ETA): setup,
+    /// then the pairs at ~20 GB/s, or `min_time`.
+    fn estimate(&self, case: &Case) -> f64 {
+        let bytes = case.bytes() as f64;
+        let pairs = self.runs as f64 * 2.0 * bytes / 20e9;
+        bytes / 2e9 + pairs.max(self.min_time.as_secs_f64())
+    }
+}
+
 /// Runs `fusedbn bench`.
 pub fn bench(args: &BenchArgs) -> Result<ExitCode> {
-    let cases = cases(args)?;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(args.threads.map_or(0, |t| t as usize))
-        .build()
-        .map_err(|e| CliError::new(format!("could not start the thread pool: {e}")))?;
-    let report = Report {
-        dtype: args.dtype.dtype(),
-        threads: pool.current_num_threads(),
+    let isas = parse_isas(&args.isas)?;
+    let thread_counts: Vec<usize> = if args.threads.is_empty() {
+        vec![0]
+    } else {
+        dedup(&args.threads)
+            .into_iter()
+            .map(|t| t as usize)
+            .collect()
+    };
+    let pools = thread_counts
+        .iter()
+        .map(|&n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .map_err(|e| CliError::new(format!("could not start the thread pool: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cases = cases(args, &isas, pools.len())?;
+    let plan = Plan {
         runs: args.runs as usize,
+        min_time: Duration::from_secs_f64(args.min_time),
+    };
+    let report = Report {
         json: args.json,
+        raw: args.raw,
         shape_width: cases
             .iter()
             .map(|c| c.shape_str().len())
@@ -302,31 +498,37 @@ pub fn bench(args: &BenchArgs) -> Result<ExitCode> {
             .unwrap_or(5)
             .max(5),
     };
-    let progress = Progress::new(cases.len());
+    let mut progress = Progress::new(cases.iter().map(|c| plan.estimate(c)).collect());
     let start = Instant::now();
-    report.header();
+    report.header(&plan);
     let mut failed = 0;
     for (i, case) in cases.iter().enumerate() {
         progress.show(i, case);
-        let m = pool.install(|| match report.dtype {
-            DType::F32 => measure::<f32>(case, report.runs),
-            DType::F16 => measure::<fusedbn::f16>(case, report.runs),
-            DType::BF16 => measure::<fusedbn::bf16>(case, report.runs),
-            DType::F64 => measure::<f64>(case, report.runs),
-        })?;
+        let pool = &pools[case.pool];
+        let m = pool.install(|| match case.dtype {
+            DType::F32 => measure::<f32>(case, plan),
+            DType::F16 => measure::<fusedbn::f16>(case, plan),
+            DType::BF16 => measure::<fusedbn::bf16>(case, plan),
+            DType::F64 => measure::<f64>(case, plan),
+        });
         progress.clear();
+        let m = m?;
         if let Err(msg) = &m.check {
             failed += 1;
             eprintln!("fusedbn: bench: check FAILED: {}: {msg}", case.label());
         }
-        report.row(case, &m);
+        report.row(case, pool.current_num_threads(), &m);
     }
     progress.clear();
+    let threads: Vec<String> = pools
+        .iter()
+        .map(|p| p.current_num_threads().to_string())
+        .collect();
     eprintln!(
         "fusedbn bench: {} cases in {:.1} s (threads {})",
         cases.len(),
         start.elapsed().as_secs_f64(),
-        report.threads
+        threads.join(", ")
     );
     if failed > 0 {
         eprintln!(
@@ -343,64 +545,129 @@ pub fn bench(args: &BenchArgs) -> Result<ExitCode> {
 pub struct Measurement {
     /// Op run times, in run order.
     pub op: Vec<Duration>,
-    /// Copy-baseline run times, in run order (interleaved with `op`).
+    /// Copy-baseline run times, `copy[i]` paired with `op[i]`.
     pub copy: Vec<Duration>,
     /// Bytes the op reads and writes.
     pub bytes: usize,
-    /// The warm-up run against the reference: `Err` holds the first mismatch.
+    /// The ISA the kernels ran with.
+    pub isa: Isa,
+    /// The first run against the reference: `Err` holds the first mismatch.
     pub check: Result<(), String>,
 }
 
 impl Measurement {
     fn median_ms(&self) -> f64 {
-        median_ms(&self.op)
+        median(&ms(&self.op))
+    }
+
+    fn min_ms(&self) -> f64 {
+        ms(&self.op).into_iter().fold(f64::INFINITY, f64::min)
     }
 
     fn copy_ms(&self) -> f64 {
-        median_ms(&self.copy)
+        median(&ms(&self.copy))
     }
 
     fn gbps(&self) -> f64 {
         self.bytes as f64 / (self.median_ms() * 1e-3) / 1e9
     }
 
+    fn copy_gbps(&self) -> f64 {
+        self.bytes as f64 / (self.copy_ms() * 1e-3) / 1e9
+    }
+
+    /// `op_i / copy_i` for every pair, sorted.
+    fn pair_ratios(&self) -> Vec<f64> {
+        let mut r: Vec<f64> = self
+            .op
+            .iter()
+            .zip(&self.copy)
+            .map(|(o, c)| o.as_secs_f64() / c.as_secs_f64())
+            .collect();
+        r.sort_by(f64::total_cmp);
+        r
+    }
+
+    /// The median of the per-pair ratios (see the module's documentation).
     fn copy_ratio(&self) -> f64 {
+        median(&self.pair_ratios())
+    }
+
+    /// The pair ratios' first and third quartiles.
+    fn copy_ratio_quartiles(&self) -> (f64, f64) {
+        let r = self.pair_ratios();
+        (quantile(&r, 0.25), quantile(&r, 0.75))
+    }
+
+    fn ratio_of_medians(&self) -> f64 {
         self.median_ms() / self.copy_ms()
     }
 }
 
-fn median_ms(v: &[Duration]) -> f64 {
-    let mut ms: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e3).collect();
-    ms.sort_by(f64::total_cmp);
-    match ms.len() {
+fn ms(v: &[Duration]) -> Vec<f64> {
+    v.iter().map(|d| d.as_secs_f64() * 1e3).collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    quantile(&s, 0.5)
+}
+
+/// The `q`-quantile of sorted `s`, interpolating linearly between ranks (NaN if empty).
+fn quantile(s: &[f64], q: f64) -> f64 {
+    match s.len() {
         0 => f64::NAN,
-        n if n % 2 == 1 => ms[n / 2],
-        n => 0.5 * (ms[n / 2 - 1] + ms[n / 2]),
+        n => {
+            let pos = q.clamp(0.0, 1.0) * (n - 1) as f64;
+            let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+            s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+        }
     }
 }
 
-/// Sets up one case, runs it once untimed and checks it, then times `runs` runs of the
-/// op, each followed by one run of the copy baseline.
-fn measure<T: Element>(case: &Case, runs: usize) -> Result<Measurement> {
+/// Sets up one case, runs it once untimed and checks it, warms up op and copy
+/// alternately, then times pairs (see the module's documentation) until `plan` is met.
+fn measure<T: Element>(case: &Case, plan: Plan) -> Result<Measurement> {
     let mut w = Workload::<T>::new(case)?;
     w.run_op()?;
     let check = w.check();
-    black_box(w.run_copy());
-    let (mut op, mut copy) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
-    for _ in 0..runs {
-        let t = Instant::now();
+    let warm = Instant::now();
+    let mut pairs = 0;
+    while pairs < WARMUP_PAIRS || warm.elapsed() < WARMUP_TIME {
         w.run_op()?;
         black_box(&mut w.out);
-        op.push(t.elapsed());
-        let t = Instant::now();
         black_box(w.run_copy());
         black_box(&mut w.out);
-        copy.push(t.elapsed());
+        pairs += 1;
+    }
+    let max_pairs = plan.runs * MAX_PAIRS_FACTOR;
+    let (mut op, mut copy) = (Vec::with_capacity(plan.runs), Vec::with_capacity(plan.runs));
+    let mut timed = Duration::ZERO;
+    while op.len() < plan.runs || (timed < plan.min_time && op.len() < max_pairs) {
+        let op_first = op.len() % 2 == 0;
+        let (mut t_op, mut t_copy) = (Duration::ZERO, Duration::ZERO);
+        for step in 0..2 {
+            let t = Instant::now();
+            if (step == 0) == op_first {
+                w.run_op()?;
+                black_box(&mut w.out);
+                t_op = t.elapsed();
+            } else {
+                black_box(w.run_copy());
+                black_box(&mut w.out);
+                t_copy = t.elapsed();
+            }
+        }
+        timed += t_op + t_copy;
+        op.push(t_op);
+        copy.push(t_copy);
     }
     Ok(Measurement {
         op,
         copy,
         bytes: case.op.tensors_moved() * w.x.len() * T::DTYPE.size(),
+        isa: effective_isa(T::DTYPE, w.problem.isa()),
         check,
     })
 }
@@ -427,7 +694,7 @@ struct Workload<T: Element> {
 
 impl<T: Element> Workload<T> {
     fn new(case: &Case) -> Result<Self> {
-        let problem = Problem::new(case.format, &case.shape)?;
+        let problem = Problem::new(case.format, &case.shape)?.with_isa(case.isa)?;
         let c = problem.channels();
         let channel_of = channel_index(&problem);
         let x = generate(problem.len(), |i| {
@@ -758,91 +1025,155 @@ fn checksum(b: &[u8]) -> u64 {
 
 /// Prints the table or the JSON lines.
 struct Report {
-    dtype: DType,
-    threads: usize,
-    runs: usize,
     json: bool,
+    raw: bool,
     shape_width: usize,
 }
 
 impl Report {
-    fn header(&self) {
+    fn header(&self, plan: &Plan) {
         if self.json {
             return;
         }
         println!(
-            "fusedbn bench: dtype {}, threads {}, median of {} runs; copy = the same bytes moved \
-             with no arithmetic, on the same threads (forward: y <- x; backward: dx <- dy + read of x)",
-            self.dtype, self.threads, self.runs
+            "fusedbn bench: at least {} timed op/copy pairs per case (and {} s of timing); copy = \
+             the same bytes moved with no arithmetic, on the same threads (forward: y <- x; \
+             backward: dx <- dy + read of x)",
+            plan.runs,
+            plan.min_time.as_secs_f64()
         );
         println!(
-            "{:<18}  {:<6}  {:<w$}  {:>9}  {:>7}  {:>9}  {:>7}  check",
+            "ms, copy ms: medians; op/copy: median over pairs of op_i/copy_i (robust to \
+             bandwidth drift), then the pair ratios' quartiles"
+        );
+        println!(
+            "{:<18}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9}  {:>7}  {:>9}  {:>7}  {:>11}  check",
             "op",
             "format",
+            "dtype",
+            "isa",
+            "thr",
             "shape",
             "ms",
             "GB/s",
             "copy ms",
             "op/copy",
+            "(p25-p75)",
             w = self.shape_width
         );
     }
 
-    fn row(&self, case: &Case, m: &Measurement) {
+    fn row(&self, case: &Case, threads: usize, m: &Measurement) {
         let check = if m.check.is_ok() { "ok" } else { "FAIL" };
+        let (q1, q3) = m.copy_ratio_quartiles();
         if self.json {
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "op": case.op.name(),
                 "format": case.format.as_str(),
-                "dtype": self.dtype.to_string(),
+                "dtype": case.dtype.to_string(),
                 "shape": case.shape,
-                "threads": self.threads,
-                "isa": "scalar",
-                "runs": self.runs,
+                "threads": threads,
+                "isa": m.isa.name(),
+                "isa_requested": case.isa.name(),
+                "pairs": m.op.len(),
+                "bytes": m.bytes,
                 "median_ms": m.median_ms(),
+                "min_ms": m.min_ms(),
                 "gbps": m.gbps(),
                 "copy_ms": m.copy_ms(),
+                "copy_gbps": m.copy_gbps(),
                 "copy_ratio": m.copy_ratio(),
+                "copy_ratio_p25": q1,
+                "copy_ratio_p75": q3,
+                "ratio_of_medians": m.ratio_of_medians(),
                 "check": check,
             });
+            if self.raw {
+                line["pairs_op_ms"] = ms(&m.op).into();
+                line["pairs_copy_ms"] = ms(&m.copy).into();
+            }
             println!("{line}");
             return;
         }
         let mut s = String::new();
         let _ = write!(
             s,
-            "{:<18}  {:<6}  {:<w$}  {:>9.3}  {:>7.2}  {:>9.3}  {:>7.2}  {check}",
+            "{:<18}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9.3}  {:>7.2}  {:>9.3}  {:>7.2}  {:>11}  {check}",
             case.op.name(),
             case.format.as_str(),
+            case.dtype.to_string(),
+            m.isa.name(),
+            threads,
             case.shape_str(),
             m.median_ms(),
             m.gbps(),
             m.copy_ms(),
             m.copy_ratio(),
+            format!("({q1:.2}-{q3:.2})"),
             w = self.shape_width
         );
         println!("{s}");
     }
 }
 
-/// A `[i/n] case` line on stderr, redrawn in place; only when stderr is a terminal.
+/// A progress bar on stderr, redrawn in place between cases; only when stderr is a
+/// terminal. Each case's share of the bar is [`Plan::estimate`].
 struct Progress {
-    total: usize,
+    /// Each case's weight.
+    weights: Vec<f64>,
+    total: f64,
+    start: Instant,
     enabled: bool,
+    /// Characters a line may take (`$COLUMNS`, else 80), less one.
+    width: usize,
 }
 
 impl Progress {
-    fn new(total: usize) -> Self {
+    const BAR: usize = 24;
+
+    fn new(weights: Vec<f64>) -> Self {
+        let width = std::env::var("COLUMNS")
+            .ok()
+            .and_then(|c| c.parse::<usize>().ok())
+            .filter(|&c| c >= 20)
+            .unwrap_or(80)
+            - 1;
         Progress {
-            total,
+            total: weights.iter().sum::<f64>().max(f64::MIN_POSITIVE),
+            weights,
+            start: Instant::now(),
             enabled: std::io::stderr().is_terminal(),
+            width,
         }
     }
 
-    fn show(&self, i: usize, case: &Case) {
+    /// The line shown while case `i` runs.
+    fn line(&self, i: usize, case: &Case) -> String {
+        let done: f64 = self.weights[..i].iter().sum();
+        let frac = done / self.total;
+        let filled = ((frac * Self::BAR as f64).round() as usize).min(Self::BAR);
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let eta = if done > 0.0 {
+            format!(" eta {:.0}s", elapsed * (1.0 / frac - 1.0))
+        } else {
+            String::new()
+        };
+        let line = format!(
+            "[{}{}] {}/{} {:.0}s{eta} {}",
+            "#".repeat(filled),
+            "-".repeat(Self::BAR - filled),
+            i + 1,
+            self.weights.len(),
+            elapsed,
+            case.label()
+        );
+        line.chars().take(self.width).collect()
+    }
+
+    fn show(&mut self, i: usize, case: &Case) {
         if self.enabled {
             let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[K[{}/{}] {}", i + 1, self.total, case.label());
+            let _ = write!(err, "\r\x1b[K{}", self.line(i, case));
             let _ = err.flush();
         }
     }
@@ -859,6 +1190,17 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn case(op: BenchOp, format: DataFormat, shape: Vec<usize>, dtype: DType) -> Case {
+        Case {
+            op,
+            format,
+            shape,
+            dtype,
+            isa: Isa::Scalar,
+            pool: 0,
+        }
+    }
 
     #[test]
     fn shapes_are_laid_out_per_format() {
@@ -899,33 +1241,152 @@ mod tests {
     }
 
     #[test]
-    fn medians_and_samples() {
-        let ms = |v: &[u64]| {
-            median_ms(
-                &v.iter()
-                    .map(|&m| Duration::from_millis(m))
-                    .collect::<Vec<_>>(),
-            )
-        };
-        assert_eq!(ms(&[3, 1, 2]), 2.0);
-        assert_eq!(ms(&[4, 1, 2, 3]), 2.5);
+    fn medians_quantiles_and_samples() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+        let s = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert_eq!(quantile(&s, 0.25), 2.0);
+        assert_eq!(quantile(&s, 0.75), 4.0);
+        assert_eq!(quantile(&[1.0, 2.0], 0.25), 1.25);
         assert_eq!(sample_channels(1), [0]);
         assert_eq!(sample_channels(3), [0, 1, 2]);
         assert_eq!(sample_channels(64), [0, 21, 42, 63]);
     }
 
     #[test]
-    fn the_copy_baseline_copies_and_reads() {
-        let case = Case {
-            op: BenchOp::BackwardTraining,
-            format: DataFormat::Nhwc,
-            shape: vec![1, 300, 300, 3],
+    fn copy_ratio_is_the_median_of_pair_ratios() {
+        let d = |v: &[u64]| v.iter().map(|&m| Duration::from_millis(m)).collect();
+        // The copy's speed halves midway (the machine's drift): each pair still says 2×,
+        // while the ratio of medians is thrown off.
+        let m = Measurement {
+            op: d(&[20, 20, 20, 40, 40]),
+            copy: d(&[10, 10, 10, 20, 20]),
+            bytes: 1_000_000,
+            isa: Isa::Scalar,
+            check: Ok(()),
         };
+        assert_eq!(m.copy_ratio(), 2.0);
+        assert_eq!(m.copy_ratio_quartiles(), (2.0, 2.0));
+        assert_eq!(m.ratio_of_medians(), 2.0);
+        let m = Measurement {
+            op: d(&[20, 20, 40, 40, 40]),
+            copy: d(&[10, 10, 20, 20, 20]),
+            ..m
+        };
+        assert_eq!(m.copy_ratio(), 2.0);
+        assert_eq!(m.median_ms(), 40.0);
+        assert_eq!(m.min_ms(), 20.0);
+        assert_eq!(m.gbps(), 0.025);
+    }
+
+    #[test]
+    fn isa_arguments() {
+        assert_eq!(parse_isas(&[]).unwrap(), [Isa::default_isa()]);
+        assert_eq!(
+            parse_isas(&["scalar".into(), "SCALAR".into()]).unwrap(),
+            [Isa::Scalar]
+        );
+        assert_eq!(parse_isas(&["all".into()]).unwrap(), Isa::supported());
+        let e = parse_isas(&["sse9".into()]).unwrap_err().to_string();
+        assert!(e.contains("sse9") && e.contains("avx512"), "{e}");
+        for isa in Isa::ALL {
+            let r = parse_isas(&[isa.name().into()]);
+            assert_eq!(r.is_ok(), isa.is_supported(), "{isa}: {r:?}");
+        }
+        assert_eq!(effective_isa(DType::F64, Isa::Avx2), Isa::Scalar);
+        assert_eq!(effective_isa(DType::BF16, Isa::Avx2), Isa::Avx2);
+    }
+
+    #[test]
+    fn cases_cover_the_product() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let args = Cli::parse_from(["x"]).bench;
+        let all = cases(&args, &[Isa::Scalar], 1).unwrap();
+        assert_eq!(all.len(), 9 * 2 * 4);
+        assert!(all.iter().all(|c| c.dtype == DType::F32));
+        let args = Cli::parse_from([
+            "x",
+            "--shape",
+            "2,3,4,5",
+            "--op",
+            "forward_inference,backward_inference",
+            "--layout",
+            "nchw",
+            "--dtype",
+            "f16",
+            "--dtype",
+            "bf16",
+            "--threads",
+            "1,2",
+        ])
+        .bench;
+        let all = cases(&args, &[Isa::Scalar, Isa::Avx2], 2).unwrap();
+        assert_eq!(all.len(), 2 * 2 * 2 * 2);
+        assert!(all.iter().all(|c| c.shape == [2, 5, 3, 4]));
+        assert_eq!(args.threads, [1, 2]);
+        // f64 runs the portable kernels whatever the ISA: once, not once per ISA.
+        let args = Cli::parse_from(["x", "--shape", "2,3,4,5", "--dtype", "f64,f32"]).bench;
+        let all = cases(&args, &[Isa::Avx2, Isa::Scalar], 1).unwrap();
+        let f64s = all.iter().filter(|c| c.dtype == DType::F64).count();
+        assert_eq!((all.len() - f64s, f64s), (2 * 4 * 2, 2 * 4));
+    }
+
+    #[test]
+    fn the_copy_baseline_copies_and_reads() {
+        let case = case(
+            BenchOp::BackwardTraining,
+            DataFormat::Nhwc,
+            vec![1, 300, 300, 3],
+            DType::F32,
+        );
         let mut w = Workload::<f32>::new(&case).unwrap();
         w.run_copy();
         assert_eq!(w.out, w.dy);
         assert_eq!(w.run_copy(), checksum(bytes_of(&w.x)));
         w.run_op().unwrap();
         assert_eq!(w.check(), Ok(()));
+    }
+
+    #[test]
+    fn half_precision_copies_its_own_bytes() {
+        for op in BenchOp::DEFAULT {
+            let c = case(op, DataFormat::Nchw, vec![2, 3, 40, 40], DType::BF16);
+            let m = measure::<fusedbn::bf16>(
+                &c,
+                Plan {
+                    runs: 3,
+                    min_time: Duration::ZERO,
+                },
+            )
+            .unwrap();
+            assert_eq!(m.bytes, op.tensors_moved() * 2 * 3 * 40 * 40 * 2);
+            assert_eq!(m.bytes, c.bytes());
+            assert_eq!((m.op.len(), m.copy.len()), (3, 3));
+            assert_eq!(m.check, Ok(()), "{op:?}");
+            let w = Workload::<fusedbn::bf16>::new(&c).unwrap();
+            assert_eq!(std::mem::size_of_val(&w.out[..]), 2 * 3 * 40 * 40 * 2);
+        }
+    }
+
+    #[test]
+    fn progress_lines_fit() {
+        let c = case(
+            BenchOp::BackwardInference,
+            DataFormat::Ncdhw,
+            vec![16, 2048, 1, 7, 7],
+            DType::BF16,
+        );
+        let mut p = Progress::new(vec![1.0, 3.0]);
+        p.width = 40;
+        assert!(p.line(0, &c).starts_with("[------------------------] 1/2"));
+        let l = p.line(1, &c);
+        assert!(l.starts_with("[######------------------] 2/2"), "{l}");
+        assert_eq!(l.chars().count(), 40);
     }
 }

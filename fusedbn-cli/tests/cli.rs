@@ -401,6 +401,9 @@ fn usage_errors_do_not_panic() {
         &["run"][..],
         &["run", "FusedBatchNorm"],
         &["bench", "--runs", "0"],
+        &["bench", "--min-time", "-1"],
+        &["bench", "--raw"],
+        &["bench", "--dtype", "f8"],
         &["nope"],
     ] {
         let o = fusedbn(args);
@@ -429,9 +432,23 @@ fn run_help_lists_every_op_and_input() {
     assert!(help.contains("0.0001"), "{help}");
 }
 
-const BENCH_SMALL: [&str; 10] = [
-    "bench", "--quick", "--runs", "1", "--shape", "2,5,5,3", "--format", "NHWC", "--format", "NCHW",
+const BENCH_SMALL: [&str; 12] = [
+    "bench",
+    "--quick",
+    "--runs",
+    "1",
+    "--min-time",
+    "0",
+    "--shape",
+    "2,5,5,3",
+    "--format",
+    "NHWC",
+    "--format",
+    "NCHW",
 ];
+
+/// The names `--isa` accepts.
+const ISAS: [&str; 3] = ["scalar", "avx2", "avx512"];
 
 #[test]
 fn bench_prints_a_checked_table() {
@@ -439,7 +456,20 @@ fn bench_prints_a_checked_table() {
     let stdout = text(&o.stdout);
     assert!(o.status.success(), "{stdout}\n{}", text(&o.stderr));
     let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("2x")).collect();
-    assert_eq!(rows.len(), 6, "{stdout}");
+    // All four ops by default, in both formats.
+    assert_eq!(rows.len(), 8, "{stdout}");
+    for op in [
+        "forward_training",
+        "forward_inference",
+        "backward_training",
+        "backward_inference",
+    ] {
+        assert_eq!(
+            rows.iter().filter(|r| r.starts_with(op)).count(),
+            2,
+            "{stdout}"
+        );
+    }
     for row in rows {
         assert!(row.ends_with(" ok"), "{row}");
     }
@@ -459,6 +489,8 @@ fn bench_json_lines() {
         "forward_training",
         "--dtype",
         "bf16",
+        "--isa",
+        "scalar",
         "--json",
     ]);
     let o = fusedbn(&args);
@@ -485,5 +517,102 @@ fn bench_json_lines() {
         assert_eq!(j["isa"], "scalar");
         assert_eq!(j["check"], "ok");
         assert_eq!(j["shape"].as_array().map(Vec::len), Some(4));
+    }
+}
+
+/// `--json` lines of a small bench run with these extra arguments (status 0 asserted).
+fn bench_json(extra: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = BENCH_SMALL.to_vec();
+    args.extend(["--op", "forward_training", "--json"]);
+    args.extend(extra);
+    let o = fusedbn(&args);
+    let stdout = text(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{args:?}: {stdout}\n{}",
+        text(&o.stderr)
+    );
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[test]
+fn bench_isa_scalar_and_the_default() {
+    let lines = bench_json(&["--isa", "scalar"]);
+    assert_eq!(lines.len(), 2);
+    for j in &lines {
+        assert_eq!(j["isa"], "scalar");
+        assert_eq!(j["check"], "ok");
+    }
+    // Without --isa: the CPU's best (or FUSEDBN_ISA), named in every line.
+    for j in bench_json(&[]) {
+        let isa = j["isa"].as_str().expect("isa is a string");
+        assert!(ISAS.contains(&isa), "{j}");
+    }
+    // f64 runs the portable kernels whatever was asked for, and says so.
+    for j in bench_json(&["--dtype", "f64"]) {
+        assert_eq!(j["isa"], "scalar", "{j}");
+    }
+}
+
+#[test]
+fn bench_every_supported_isa_dtype_and_thread_count() {
+    let lines = bench_json(&["--isa", "all", "--dtype", "f16,f32", "--threads", "1,2"]);
+    let isas: BTreeSet<String> = lines
+        .iter()
+        .map(|j| j["isa"].as_str().unwrap().to_string())
+        .collect();
+    assert!(isas.contains("scalar"), "{isas:?}");
+    assert_eq!(lines.len(), 2 * 2 * 2 * isas.len());
+    for j in &lines {
+        assert_eq!(j["check"], "ok", "{j}");
+        let threads = j["threads"].as_u64().unwrap();
+        assert!(threads == 1 || threads == 2, "{j}");
+        assert!(j["pairs"].as_u64().unwrap() >= 1, "{j}");
+        let bytes = j["bytes"].as_u64().unwrap();
+        let size = if j["dtype"] == "f16" { 2 } else { 4 };
+        assert_eq!(bytes, 2 * 2 * 5 * 5 * 3 * size, "{j}");
+    }
+}
+
+#[test]
+fn bench_rejects_an_unknown_isa_in_one_line() {
+    for args in [
+        &["bench", "--isa", "sse9"][..],
+        &["bench", "--isa", "scalar,sse9", "--json"],
+    ] {
+        let o = fusedbn(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(o.stdout.is_empty(), "{args:?}: {}", text(&o.stdout));
+        let stderr = text(&o.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.starts_with("fusedbn: error: --isa") && stderr.contains("sse9"),
+            "{stderr}"
+        );
+        for name in ISAS {
+            assert!(stderr.contains(name), "{stderr}");
+        }
+    }
+}
+
+#[test]
+fn bench_rejects_an_isa_this_cpu_lacks() {
+    // Nothing to check on a CPU that has every ISA.
+    let lacking: Vec<&str> = ISAS
+        .into_iter()
+        .filter(|&name| {
+            let isa: fusedbn::kernels::simd::Isa = name.parse().unwrap();
+            !isa.is_supported()
+        })
+        .collect();
+    for name in lacking {
+        let o = fusedbn(&["bench", "--isa", name]);
+        assert_eq!(o.status.code(), Some(2), "{name}");
+        let stderr = text(&o.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains("does not support"), "{stderr}");
     }
 }
