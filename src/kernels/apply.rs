@@ -123,7 +123,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
 
 /// Elements before the first aligned full vector of `out` (0 when not streaming).
 #[inline(always)]
-fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
+pub(crate) fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
     if stream {
         out.as_ptr()
             .align_offset(lanes * size_of::<T>())

@@ -7,7 +7,7 @@
 
 use std::mem::size_of;
 
-use super::apply::{Elementwise, VectorFn};
+use super::apply::{head_len, Elementwise, VectorFn};
 use super::simd::{Dispatch, Isa, Kernel, Simd};
 use super::{
     channel_tiles, for_each_row_chunk, map_tasks, merge_channel_results, pixels_per_reduce_task,
@@ -190,6 +190,15 @@ pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
             }
         }
         Some((out, stream)) => {
+            // Peel a partial vector so that the streaming stores below are aligned.
+            let head = head_len(out, l, stream);
+            if head > 0 {
+                let d = s.load_partial(&dy[..head]);
+                a = s.add(a, d);
+                b = s.mul_add(d, s.sub(s.load_partial(&x[..head]), m), b);
+                s.store_partial(&mut out[..head], s.mul(d, k1));
+                i = head;
+            }
             while i + l <= n {
                 let d = s.load(&dy[i..]);
                 a = s.add(a, d);
