@@ -727,3 +727,70 @@ mod no_panic {
         }
     }
 }
+
+/// Statistics around a running shift must fall back to exact two-pass tiles when the
+/// data drifts: here every batch item is offset by 1000·n (std 1), so consecutive
+/// tiles disagree by thousands of standard deviations.
+#[test]
+fn spec7_statistics_with_drifting_data() {
+    use fusedbn::kernels::simd::Isa;
+    let mut rng = common::Rng::new(9);
+    let (n, hw, c) = (8usize, 128 * 128, 3usize);
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let shape = if format == DataFormat::Nhwc {
+            [n, 128, 128, c]
+        } else {
+            [n, c, 128, 128]
+        };
+        let x: Vec<f32> = (0..n * hw * c)
+            .map(|i| {
+                let b = i / (hw * c);
+                (1000.0 * b as f64 + rng.normal()) as f32
+            })
+            .collect();
+        let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let ones = vec![1.0; c];
+        let r = fusedbn::reference::forward_training(
+            format,
+            &shape,
+            &xs,
+            &ones,
+            &vec![0.0; c],
+            &[],
+            &[],
+            1e-3,
+            1.0,
+        );
+        for isa in Isa::supported() {
+            let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
+            let mut y = vec![0f32; x.len()];
+            let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+            p.forward_training(
+                &x,
+                &[1.0; 3],
+                &[0.0; 3],
+                &mut y,
+                SavedStats {
+                    mean: &mut mu,
+                    variance: &mut var,
+                },
+                None,
+            )
+            .unwrap();
+            for ch in 0..c {
+                let std = r.reserve_space_2[ch].sqrt();
+                let (m, v) = (r.reserve_space_1[ch], r.reserve_space_2[ch]);
+                assert!(
+                    (mu[ch] as f64 - m).abs() <= 1e-5 * std + 1e-7 * m.abs(),
+                    "{format} {isa} mean {} vs {m}",
+                    mu[ch]
+                );
+                assert!(
+                    (var[ch] as f64 - v).abs() <= 1e-5 * v,
+                    "{format} {isa} var {} vs {v}",
+                    var[ch]
+                );
+            }
+        }
+    }
+}

@@ -1,10 +1,14 @@
 //! Statistics pass: per-channel count, mean and M2 (sum of squared deviations) in one
 //! read of `x`.
 //!
-//! Each tile (cache-resident) is reduced exactly in two passes over the cached data:
-//! first a pivot (the tile's `f32` mean), then `Σ(x − pivot)` and `Σ(x − pivot)²` in
-//! `f32` lanes, which give the tile's mean and M2 without cancellation even when
-//! |mean| ≫ std. Tiles are merged with Chan's formula in `f64`.
+//! Each tile (cache-sized) gives `Σ(x − K)` and `Σ(x − K)²` in `f32` lanes around a
+//! shift `K`, merged with Chan's formula in `f64`. The shift is the channel's mean over
+//! the tiles before, so one pass over the tile usually suffices; when the tile's mean
+//! turns out to lie more than 0.1 std from the shift (the first tile, drifting data,
+//! NaN or Inf), the tile is redone exactly in two passes while it is still cached —
+//! first its own `f32` mean as the pivot, then the sums around it. Either way the
+//! sums never cancel by more than 1 %, even when |mean| ≫ std. The choice depends only
+//! on the data, so results stay deterministic.
 
 use super::simd::{Dispatch, Isa, Kernel, Simd};
 use super::{
@@ -110,9 +114,67 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 ) -> Moments {
     let mut m = Moments::EMPTY;
     for tile in channel_tiles(g, c, o0, o1) {
-        m = m.merge(tile_moments(s, tile.pieces(x), tile.len()));
+        let (n, pieces) = (tile.len(), tile.pieces(x));
+        let mut tile_m = None;
+        if m.count > 0.0 {
+            let k = U::from_f64(m.mean);
+            let (s1, s2) = deviation_sums(s, pieces.clone(), k);
+            if well_shifted(n, s1, s2) {
+                tile_m = Some(Moments::from_pivot(n, k.to_f64(), s1, s2));
+            }
+        }
+        let tile_m = match tile_m {
+            Some(t) => t,
+            None => tile_moments(s, pieces, n),
+        };
+        m = m.merge(tile_m);
     }
     m
+}
+
+/// Whether sums around a shift (`s1 = Σd`, `s2 = Σd²` over `n` values) are accurate:
+/// the mean of `d` is within 0.1 std of zero, so `s2 − s1²/n` cancels by at most 1 %.
+/// False for NaN and Inf, which the exact path handles.
+#[inline(always)]
+fn well_shifted(n: usize, s1: f64, s2: f64) -> bool {
+    let n = n as f64;
+    s1 * s1 / n <= 0.01 * (s2 - s1 * s1 / n)
+}
+
+/// `(Σ(x − k), Σ(x − k)²)` over the pieces, in `U` lanes summed in `f64`.
+#[inline(always)]
+fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    pieces: impl Iterator<Item = &'a [T]>,
+    k: U,
+) -> (f64, f64) {
+    let l = S::LANES;
+    let (kv, zero) = (s.splat(k), s.splat(U::ZERO));
+    let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
+    let (mut t1, mut t2) = (0f64, 0f64);
+    for p in pieces {
+        let mut pairs = p.chunks_exact(2 * l);
+        for c in &mut pairs {
+            let (d, e) = (s.sub(s.load(c), kv), s.sub(s.load(&c[l..]), kv));
+            s1 = s.add(s1, d);
+            s2 = s.mul_add(d, d, s2);
+            r1 = s.add(r1, e);
+            r2 = s.mul_add(e, e, r2);
+        }
+        let mut chunks = pairs.remainder().chunks_exact(l);
+        for c in &mut chunks {
+            let d = s.sub(s.load(c), kv);
+            s1 = s.add(s1, d);
+            s2 = s.mul_add(d, d, s2);
+        }
+        for v in chunks.remainder() {
+            let d = v.widen() - k;
+            t1 += d.to_f64();
+            t2 += (d * d).to_f64();
+        }
+    }
+    let (s1, s2) = (s.add(s1, r1), s.add(s2, r2));
+    (s.sum_f64(s1) + t1, s.sum_f64(s2) + t2)
 }
 
 /// The moments of each channel of one task of a channel-major split.
@@ -176,32 +238,8 @@ fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
     }
     let pivot = U::from_f64((s.sum_f64(a0) + s.sum_f64(a1)) / n as f64);
-    let pv = s.splat(pivot);
-    let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
-    let (mut t1, mut t2) = (0f64, 0f64);
-    for p in pieces {
-        let mut pairs = p.chunks_exact(2 * l);
-        for c in &mut pairs {
-            let (d, e) = (s.sub(s.load(c), pv), s.sub(s.load(&c[l..]), pv));
-            s1 = s.add(s1, d);
-            s2 = s.mul_add(d, d, s2);
-            r1 = s.add(r1, e);
-            r2 = s.mul_add(e, e, r2);
-        }
-        let mut chunks = pairs.remainder().chunks_exact(l);
-        for c in &mut chunks {
-            let d = s.sub(s.load(c), pv);
-            s1 = s.add(s1, d);
-            s2 = s.mul_add(d, d, s2);
-        }
-        for v in chunks.remainder() {
-            let d = v.widen() - pivot;
-            t1 += d.to_f64();
-            t2 += (d * d).to_f64();
-        }
-    }
-    let (s1, s2) = (s.add(s1, r1), s.add(s2, r2));
-    Moments::from_pivot(n, pivot.to_f64(), s.sum_f64(s1) + t1, s.sum_f64(s2) + t2)
+    let (s1, s2) = deviation_sums(s, pieces, pivot);
+    Moments::from_pivot(n, pivot.to_f64(), s1, s2)
 }
 
 /// Moments of the pixels `x` (whole pixels of `c` channels) into `out`, by tiles.
@@ -216,80 +254,118 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) {
         let (l, c) = (S::LANES, self.c);
-        let (full, rem) = (c / l, c % l);
         let groups = c.div_ceil(l);
         // With few vectors per pixel, consecutive pixels go to separate accumulator sets
         // so that at least four add chains run at once.
         let sets = 4usize.div_ceil(groups);
         let zero = s.splat(T::Stat::ZERO);
-        let mut acc = vec![zero; sets * groups];
-        let (mut v1, mut v2) = (vec![zero; sets * groups], vec![zero; sets * groups]);
+        let mut pivot = vec![zero; groups];
+        let mut acc = vec![zero; 3 * sets * groups];
         let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
         let tile_len = pixels_per_tile(c) * c;
-        for (t, tile) in self.x.chunks(tile_len).enumerate() {
+        for tile in self.x.chunks(tile_len) {
             let n = tile.len() / c;
-            // The next tile, fetched during this tile's second (cache-only) pass so
-            // that memory never idles.
-            let next = self.x.get((t + 1) * tile_len..).unwrap_or(&[]);
-            acc.fill(zero);
-            for (i, px) in tile.chunks_exact(c).enumerate() {
-                let a = &mut acc[(i % sets) * groups..][..groups];
-                for g in 0..full {
-                    a[g] = s.add(a[g], s.load(&px[g * l..]));
-                }
-                if rem > 0 {
-                    a[full] = s.add(a[full], s.load_partial(&px[full * l..]));
-                }
-            }
-            // Pivots: the tile means in f32 (lanes past C stay 0, so their d is 0).
-            let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
-            for g in 0..groups {
-                let mut sum = acc[g];
-                for k in 1..sets {
-                    sum = s.add(sum, acc[k * groups + g]);
-                }
-                acc[g] = s.mul(sum, inv);
-            }
-            let pivot = &acc[..groups];
-            v1.fill(zero);
-            v2.fill(zero);
-            for (i, px) in tile.chunks_exact(c).enumerate() {
-                let k = (i % sets) * groups;
-                let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
-                for g in 0..full {
-                    s.prefetch(next.get(i * c + g * l..).unwrap_or(&[]));
-                    let d = s.sub(s.load(&px[g * l..]), pivot[g]);
-                    a[g] = s.add(a[g], d);
-                    b[g] = s.mul_add(d, d, b[g]);
-                }
-                if rem > 0 {
-                    let d = s.sub(s.load_partial(&px[full * l..]), pivot[full]);
-                    a[full] = s.add(a[full], d);
-                    b[full] = s.mul_add(d, d, b[full]);
-                }
-            }
             let (pivots, rest) = lanes.split_at_mut(groups * l);
             let (sum1, sum2) = rest.split_at_mut(groups * l);
-            for g in 0..groups {
-                let (mut a, mut b) = (v1[g], v2[g]);
-                for k in 1..sets {
-                    a = s.add(a, v1[k * groups + g]);
-                    b = s.add(b, v2[k * groups + g]);
+            // One pass around the running means; exact two passes if that cancels.
+            if self.out[0].count > 0.0 {
+                for (p, m) in pivots.iter_mut().zip(self.out.iter()) {
+                    *p = T::Stat::from_f64(m.mean);
                 }
-                s.store(&mut pivots[g * l..], pivot[g]);
-                s.store(&mut sum1[g * l..], a);
-                s.store(&mut sum2[g * l..], b);
+                for (g, p) in pivot.iter_mut().enumerate() {
+                    *p = s.load(&pivots[g * l..]);
+                }
+                deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, sum1, sum2);
+                let ok = (0..c).all(|ch| well_shifted(n, sum1[ch].to_f64(), sum2[ch].to_f64()));
+                if ok {
+                    merge_lanes(self.out, n, pivots, sum1, sum2);
+                    continue;
+                }
             }
-            for (ch, o) in self.out.iter_mut().enumerate() {
-                let t = Moments::from_pivot(
-                    n,
-                    pivots[ch].to_f64(),
-                    sum1[ch].to_f64(),
-                    sum2[ch].to_f64(),
-                );
-                *o = o.merge(t);
+            let sums = &mut acc[..sets * groups];
+            sums.fill(zero);
+            for (i, px) in tile.chunks_exact(c).enumerate() {
+                let a = &mut sums[(i % sets) * groups..][..groups];
+                accumulate(s, px, a);
             }
+            let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
+            for (g, p) in pivot.iter_mut().enumerate() {
+                let mut sum = sums[g];
+                for k in 1..sets {
+                    sum = s.add(sum, sums[k * groups + g]);
+                }
+                *p = s.mul(sum, inv);
+                s.store(&mut pivots[g * l..], *p);
+            }
+            deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, sum1, sum2);
+            merge_lanes(self.out, n, pivots, sum1, sum2);
         }
+    }
+}
+
+/// `a[g] += px[g·L..]` for every channel group of one pixel (the last group partial).
+#[inline(always)]
+fn accumulate<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, px: &[T], a: &mut [S::V]) {
+    let (l, full) = (S::LANES, px.len() / S::LANES);
+    for g in 0..full {
+        a[g] = s.add(a[g], s.load(&px[g * l..]));
+    }
+    if full < a.len() {
+        a[full] = s.add(a[full], s.load_partial(&px[full * l..]));
+    }
+}
+
+/// Per channel of a channels-last tile: `Σ(x − pivot)` into `sum1`, `Σ(x − pivot)²`
+/// into `sum2` (lanes past C have pivot 0 and load as 0, so they add 0).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    tile: &[T],
+    c: usize,
+    sets: usize,
+    pivot: &[S::V],
+    acc: &mut [S::V],
+    sum1: &mut [U],
+    sum2: &mut [U],
+) {
+    let (l, groups) = (S::LANES, pivot.len());
+    let (full, zero) = (c / l, s.splat(U::ZERO));
+    let (v1, rest) = acc.split_at_mut(sets * groups);
+    let v2 = &mut rest[..sets * groups];
+    v1.fill(zero);
+    v2.fill(zero);
+    for (i, px) in tile.chunks_exact(c).enumerate() {
+        let k = (i % sets) * groups;
+        let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
+        for g in 0..full {
+            let d = s.sub(s.load(&px[g * l..]), pivot[g]);
+            a[g] = s.add(a[g], d);
+            b[g] = s.mul_add(d, d, b[g]);
+        }
+        if full < groups {
+            let d = s.sub(s.load_partial(&px[full * l..]), pivot[full]);
+            a[full] = s.add(a[full], d);
+            b[full] = s.mul_add(d, d, b[full]);
+        }
+    }
+    for g in 0..groups {
+        let (mut a, mut b) = (v1[g], v2[g]);
+        for k in 1..sets {
+            a = s.add(a, v1[k * groups + g]);
+            b = s.add(b, v2[k * groups + g]);
+        }
+        s.store(&mut sum1[g * l..], a);
+        s.store(&mut sum2[g * l..], b);
+    }
+}
+
+/// Merges one tile's per-channel sums around `pivots` into `out`.
+#[inline(always)]
+fn merge_lanes<U: Real>(out: &mut [Moments], n: usize, pivots: &[U], sum1: &[U], sum2: &[U]) {
+    for (ch, o) in out.iter_mut().enumerate() {
+        let t = Moments::from_pivot(n, pivots[ch].to_f64(), sum1[ch].to_f64(), sum2[ch].to_f64());
+        *o = o.merge(t);
     }
 }
 
