@@ -6,7 +6,11 @@
 
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
-use crate::kernels::{apply, fused};
+use std::fmt;
+use std::str::FromStr;
+
+use crate::kernels::apply::{self, Epilogue};
+use crate::kernels::{backward, fused};
 use crate::problem::Problem;
 
 /// Where [`Problem::forward_training`] writes the batch statistics that the gradient
@@ -42,6 +46,49 @@ pub struct Gradients<'a, T: Element> {
     pub scale: &'a mut [T::Stat],
     /// `offset_backprop`, `C` elements.
     pub offset: &'a mut [T::Stat],
+}
+
+/// The activation after the residual add of the Ex ops (TensorFlow's
+/// `activation_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// No activation.
+    #[default]
+    Identity,
+    /// `max(0, ·)`.
+    Relu,
+}
+
+impl Activation {
+    /// TensorFlow's name (`Identity`, `Relu`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Activation::Identity => "Identity",
+            Activation::Relu => "Relu",
+        }
+    }
+}
+
+impl fmt::Display for Activation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Activation {
+    type Err = Error;
+    /// Parses TensorFlow's names exactly.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "Identity" => Ok(Activation::Identity),
+            "Relu" => Ok(Activation::Relu),
+            _ => Err(Error::InvalidAttr {
+                name: "activation_mode".into(),
+                expected: "Identity or Relu".into(),
+                found: s.into(),
+            }),
+        }
+    }
 }
 
 fn check_len(arg: &str, len: usize, want: usize, what: &str) -> Result<()> {
@@ -96,7 +143,49 @@ impl Problem {
         saved: SavedStats<'_, T::Stat>,
         running: Option<RunningStats<'_, T::Stat>>,
     ) -> Result<()> {
+        self.forward_training_ex(
+            x,
+            scale,
+            offset,
+            None,
+            Activation::Identity,
+            y,
+            saved,
+            running,
+        )
+    }
+
+    /// [`forward_training`](Problem::forward_training) with the Ex epilogue:
+    /// `y = act(bn(x) + side_input)`, fused into the same pass (`side_input` has the
+    /// shape of x).
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, Problem, batch_norm::{Activation, SavedStats}};
+    /// let p = Problem::new(DataFormat::Nhwc, &[1, 1, 4, 1])?;
+    /// let (x, side) = ([1.0f32, 2.0, 3.0, 4.0], [0.5f32; 4]);
+    /// let (mut y, mut mu, mut var) = ([0.0f32; 4], [0.0f32], [0.0f32]);
+    /// p.forward_training_ex(&x, &[1.0], &[0.0], Some(&side), Activation::Relu, &mut y,
+    ///     SavedStats { mean: &mut mu, variance: &mut var }, None)?;
+    /// assert_eq!(y[0], 0.0); // relu(-1.34 + 0.5)
+    /// assert!((y[3] - 1.84).abs() < 0.01); // relu(1.34 + 0.5)
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_training_ex<T: Element>(
+        &self,
+        x: &[T],
+        scale: &[T::Stat],
+        offset: &[T::Stat],
+        side_input: Option<&[T]>,
+        activation: Activation,
+        y: &mut [T],
+        saved: SavedStats<'_, T::Stat>,
+        running: Option<RunningStats<'_, T::Stat>>,
+    ) -> Result<()> {
         self.check_x("x", x.len())?;
+        if let Some(side) = side_input {
+            self.check_x("side_input", side.len())?;
+        }
         self.check_c("scale", scale.len())?;
         self.check_c("offset", offset.len())?;
         if let Some(r) = &running {
@@ -121,7 +210,11 @@ impl Problem {
         let adj = m / (m - 1.0).max(1.0);
         let eps = f64::from(self.epsilon());
         // y = (x − μ)·scale/√(σ² + ε) + offset, with μ rounded to U as it is saved.
-        let moments = fused::forward_training(self.geometry(), self.isa(), x, y, |c, mo| {
+        let epi = Epilogue {
+            side: side_input,
+            relu: activation == Activation::Relu,
+        };
+        let moments = fused::forward_training(self.geometry(), self.isa(), x, epi, y, |c, mo| {
             let a = scale[c].to_f64() / (mo.variance() + eps).sqrt();
             [T::Stat::from_f64(mo.mean), T::Stat::from_f64(a), offset[c]]
         });
@@ -169,7 +262,36 @@ impl Problem {
         variance: &[T::Stat],
         y: &mut [T],
     ) -> Result<()> {
+        self.forward_inference_ex(
+            x,
+            scale,
+            offset,
+            mean,
+            variance,
+            None,
+            Activation::Identity,
+            y,
+        )
+    }
+
+    /// [`forward_inference`](Problem::forward_inference) with the Ex epilogue:
+    /// `y = act(bn(x) + side_input)` in the same pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_inference_ex<T: Element>(
+        &self,
+        x: &[T],
+        scale: &[T::Stat],
+        offset: &[T::Stat],
+        mean: &[T::Stat],
+        variance: &[T::Stat],
+        side_input: Option<&[T]>,
+        activation: Activation,
+        y: &mut [T],
+    ) -> Result<()> {
         self.check_x("x", x.len())?;
+        if let Some(side) = side_input {
+            self.check_x("side_input", side.len())?;
+        }
         self.check_c("scale", scale.len())?;
         self.check_c("offset", offset.len())?;
         self.check_c("mean", mean.len())?;
@@ -179,7 +301,11 @@ impl Problem {
             return Ok(());
         }
         let a = self.scale_rsqrt(scale, variance);
-        apply::affine(self.geometry(), self.isa(), x, mean, &a, offset, y);
+        let epi = Epilogue {
+            side: side_input,
+            relu: activation == Activation::Relu,
+        };
+        apply::affine(self.geometry(), self.isa(), x, mean, &a, offset, epi, y);
         Ok(())
     }
 
@@ -215,7 +341,9 @@ impl Problem {
             scale,
             saved_mean,
             saved_variance,
+            None,
             grads,
+            None,
             true,
         )
     }
@@ -231,7 +359,66 @@ impl Problem {
         variance: &[T::Stat],
         grads: Gradients<'_, T>,
     ) -> Result<()> {
-        self.backward(y_backprop, x, scale, mean, variance, grads, false)
+        self.backward(
+            y_backprop, x, scale, mean, variance, None, grads, None, false,
+        )
+    }
+
+    /// The gradient of [`forward_training_ex`](Problem::forward_training_ex): with
+    /// `relu_output` (the forward `y` of an op with a ReLU) `y_backprop` is masked to
+    /// `y > 0` on the fly, in both passes; `side_input_backprop`, when given, receives
+    /// the masked `y_backprop` (the gradient of the side input), written by the
+    /// reduction pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_training_ex<T: Element>(
+        &self,
+        y_backprop: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        saved_mean: &[T::Stat],
+        saved_variance: &[T::Stat],
+        relu_output: Option<&[T]>,
+        grads: Gradients<'_, T>,
+        side_input_backprop: Option<&mut [T]>,
+    ) -> Result<()> {
+        self.backward(
+            y_backprop,
+            x,
+            scale,
+            saved_mean,
+            saved_variance,
+            relu_output,
+            grads,
+            side_input_backprop,
+            true,
+        )
+    }
+
+    /// The gradient of [`forward_inference_ex`](Problem::forward_inference_ex); see
+    /// [`backward_training_ex`](Problem::backward_training_ex).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_inference_ex<T: Element>(
+        &self,
+        y_backprop: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        mean: &[T::Stat],
+        variance: &[T::Stat],
+        relu_output: Option<&[T]>,
+        grads: Gradients<'_, T>,
+        side_input_backprop: Option<&mut [T]>,
+    ) -> Result<()> {
+        self.backward(
+            y_backprop,
+            x,
+            scale,
+            mean,
+            variance,
+            relu_output,
+            grads,
+            side_input_backprop,
+            false,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -242,7 +429,9 @@ impl Problem {
         scale: &[T::Stat],
         rs1: &[T::Stat],
         rs2: &[T::Stat],
+        mask: Option<&[T]>,
         grads: Gradients<'_, T>,
+        side_grad: Option<&mut [T]>,
         is_training: bool,
     ) -> Result<()> {
         self.check_x("y_backprop", dy.len())?;
@@ -253,6 +442,12 @@ impl Problem {
         self.check_x("x_backprop (output)", grads.x.len())?;
         self.check_c("scale_backprop (output)", grads.scale.len())?;
         self.check_c("offset_backprop (output)", grads.offset.len())?;
+        if let Some(y) = mask {
+            self.check_x("y", y.len())?;
+        }
+        if let Some(sg) = &side_grad {
+            self.check_x("side_input_backprop (output)", sg.len())?;
+        }
         if self.is_empty() {
             grads.scale.fill(T::Stat::ZERO);
             grads.offset.fill(T::Stat::ZERO);
@@ -262,17 +457,33 @@ impl Problem {
         let eps = f64::from(self.epsilon());
         let m = self.elements_per_channel() as f64;
         let r = |c: usize| 1.0 / (rs2[c].to_f64() + eps).sqrt();
-        let sums = if is_training {
+        let ones = vec![T::Stat::from_f64(1.0); self.channels()];
+        let coeffs = |c: usize, sdy: f64, sdx: f64| {
             // dx = scale·r·(dy − Σdy/M − (x − μ)·r²·Σdy(x − μ)/M)
-            fused::backward_training(g, isa, dy, x, rs1, grads.x, |c, sdy, sdx| {
-                let (r, u) = (r(c), T::Stat::from_f64);
-                let k1 = scale[c].to_f64() * r;
-                [u(sdy / m), u(k1), u(-k1 * r * r * sdx / m)]
-            })
-        } else {
-            // dx = dy·scale·r
-            let k1 = self.scale_rsqrt(scale, rs2);
-            fused::backward_inference(g, isa, dy, x, rs1, &k1, grads.x)
+            let (r, u) = (r(c), T::Stat::from_f64);
+            let k1 = scale[c].to_f64() * r;
+            [u(sdy / m), u(k1), u(-k1 * r * r * sdx / m)]
+        };
+        let sums = match (is_training, side_grad) {
+            (true, None) => fused::backward_training(g, isa, dy, mask, x, rs1, grads.x, coeffs),
+            (true, Some(sg)) => {
+                // The reduction pass also writes the (masked) dy: k1 = 1.
+                let sums = fused::backward_inference(g, isa, dy, mask, x, rs1, &ones, sg);
+                let k: Vec<_> = (0..self.channels())
+                    .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
+                    .collect();
+                let col = |i: usize| k.iter().map(|t| t[i]).collect::<Vec<_>>();
+                backward::apply(g, isa, dy, mask, x, &col(0), rs1, &col(1), &col(2), grads.x);
+                sums
+            }
+            (false, side_grad) => {
+                // dx = dy·scale·r
+                let k1 = self.scale_rsqrt(scale, rs2);
+                if let Some(sg) = side_grad {
+                    fused::backward_inference(g, isa, dy, mask, x, rs1, &ones, sg);
+                }
+                fused::backward_inference(g, isa, dy, mask, x, rs1, &k1, grads.x)
+            }
         };
         for c in 0..self.channels() {
             grads.offset[c] = T::Stat::from_f64(sums.sum_dy[c]);

@@ -17,8 +17,29 @@ use super::simd::{load_n, load_partial_n, splat_n, Dispatch, Isa, Kernel, Simd};
 use super::{for_each_row_chunk, Geometry, MAX_PERIOD};
 use crate::element::{Element, Real};
 
-/// Per-channel affine map of `x` into `y` (both of geometry `g`); `shift`, `a`, `b`
-/// have `C` elements.
+/// What the forward pass does after the affine map: add an optional residual
+/// (`side_input`, the shape of x) and apply an optional ReLU — TensorFlow's
+/// `_FusedBatchNormEx` epilogue, fused into the same pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Epilogue<'a, T> {
+    /// Added to the normalized value before the activation.
+    pub side: Option<&'a [T]>,
+    /// `max(0, ·)` after the addition.
+    pub relu: bool,
+}
+
+impl<T> Default for Epilogue<'_, T> {
+    fn default() -> Self {
+        Epilogue {
+            side: None,
+            relu: false,
+        }
+    }
+}
+
+/// Per-channel affine map of `x` into `y` (both of geometry `g`), then the epilogue:
+/// `y = act((x − shift)·a + b + side)`; `shift`, `a`, `b` have `C` elements.
+#[allow(clippy::too_many_arguments)]
 pub fn affine<T: Element>(
     g: &Geometry,
     isa: Isa,
@@ -26,23 +47,45 @@ pub fn affine<T: Element>(
     shift: &[T::Stat],
     a: &[T::Stat],
     b: &[T::Stat],
+    epi: Epilogue<'_, T>,
     y: &mut [T],
 ) {
     debug_assert!(x.len() == g.len() && y.len() == g.len());
+    let k = [shift, a, b];
+    match (epi.side, epi.relu) {
+        (None, false) => elementwise(g, isa, [x], k, y, Affine),
+        (None, true) => elementwise(g, isa, [x], k, y, AffineRelu),
+        (Some(side), false) => elementwise(g, isa, [x, side], k, y, AffineSide::<false>),
+        (Some(side), true) => elementwise(g, isa, [x, side], k, y, AffineSide::<true>),
+    }
+}
+
+/// `out = f(ins, consts[channel])` over a whole tensor of geometry `g`, split into
+/// tasks; streamed when the output is large.
+pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
+    g: &Geometry,
+    isa: Isa,
+    ins: [&[T]; N],
+    consts: [&[T::Stat]; K],
+    out: &mut [T],
+    f: F,
+) where
+    F: VectorFn<N, K> + Copy + Send + Sync,
+{
     let stream = g.stream(size_of::<T>());
     let row_len = g.row_len();
-    for_each_row_chunk(g, y, |row0, out| {
-        let x = &x[row0 * row_len..][..out.len()];
+    for_each_row_chunk(g, out, |row0, out| {
+        let ins = ins.map(|x| &x[row0 * row_len..][..out.len()]);
         T::Stat::dispatch(
             isa,
             Elementwise {
                 g,
                 row0,
-                ins: [x],
+                ins,
                 out,
-                consts: [shift, a, b],
+                consts,
                 stream,
-                f: Affine,
+                f,
             },
         );
     });
@@ -56,6 +99,7 @@ pub(crate) trait VectorFn<const N: usize, const K: usize> {
 }
 
 /// `(x − shift)·a + b`.
+#[derive(Clone, Copy)]
 pub(crate) struct Affine;
 
 impl VectorFn<1, 3> for Affine {
@@ -64,6 +108,33 @@ impl VectorFn<1, 3> for Affine {
         // Rounded after the product and after the sum, as TensorFlow's kernel does:
         // fusing would change the last bit of about a quarter of the f32 outputs.
         s.add(s.mul(s.sub(x, sh), a), b)
+    }
+}
+
+/// `max(0, (x − shift)·a + b)`.
+#[derive(Clone, Copy)]
+pub(crate) struct AffineRelu;
+
+impl VectorFn<1, 3> for AffineRelu {
+    #[inline(always)]
+    fn eval<U: Real, S: Simd<U>>(&self, s: S, x: [S::V; 1], k: [S::V; 3]) -> S::V {
+        s.max(s.splat(U::ZERO), Affine.eval(s, x, k))
+    }
+}
+
+/// `act((x − shift)·a + b + side)`, with a ReLU when `RELU`.
+#[derive(Clone, Copy)]
+pub(crate) struct AffineSide<const RELU: bool>;
+
+impl<const RELU: bool> VectorFn<2, 3> for AffineSide<RELU> {
+    #[inline(always)]
+    fn eval<U: Real, S: Simd<U>>(&self, s: S, [x, side]: [S::V; 2], k: [S::V; 3]) -> S::V {
+        let v = s.add(Affine.eval(s, [x], k), side);
+        if RELU {
+            s.max(s.splat(U::ZERO), v)
+        } else {
+            v
+        }
     }
 }
 

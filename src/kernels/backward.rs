@@ -5,13 +5,11 @@
 //! constant term) keeps `dx` exact where it should vanish (e.g. `M = 1`, as in
 //! TensorFlow) and accurate when |μ| ≫ std.
 
-use std::mem::size_of;
-
-use super::apply::{head_len, Elementwise, VectorFn};
+use super::apply::{elementwise, head_len, VectorFn};
 use super::simd::{Dispatch, Isa, Kernel, Simd};
 use super::{
-    channel_tiles, for_each_row_chunk, map_tasks, merge_channel_results, pixels_per_reduce_task,
-    pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
+    channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
+    ChannelMajorSplit, ChannelTask, Geometry,
 };
 use crate::element::{Element, Real};
 
@@ -56,11 +54,13 @@ impl BackwardSums {
     }
 }
 
-/// `Σdy` and `Σdy·(x − mean[c])` per channel of `dy` and `x` (geometry `g`).
+/// `Σdy` and `Σdy·(x − mean[c])` per channel of `dy` and `x` (geometry `g`). With
+/// `mask` (the forward output `y` of a ReLU), `dy` counts only where `mask > 0`.
 pub fn reduce<T: Element>(
     g: &Geometry,
     isa: Isa,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     mean: &[T::Stat],
 ) -> BackwardSums {
@@ -75,6 +75,7 @@ pub fn reduce<T: Element>(
                 isa,
                 PixelSums {
                     dy: &dy[range.clone()],
+                    mask: mask.map(|m| &m[range.clone()]),
                     x: &x[range],
                     mean,
                     dx: None,
@@ -92,6 +93,7 @@ pub fn reduce<T: Element>(
                 TaskSums {
                     g,
                     dy,
+                    mask,
                     x,
                     mean,
                     task: tasks[i],
@@ -111,6 +113,7 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
     g: &Geometry,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     m: U,
     c: usize,
@@ -121,8 +124,9 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let (m, zero) = (s.splat(m), s.splat(U::ZERO));
     for tile in channel_tiles(g, c, o0, o1) {
         let mut acc = (zero, zero);
-        for (d, x) in tile.pieces(dy).zip(tile.pieces(x)) {
-            acc = row_sums(s, d, x, m, None, zero, acc);
+        for (i, (d, x)) in tile.pieces(dy).zip(tile.pieces(x)).enumerate() {
+            let mk = mask.map(|y| &y[tile.start + i * tile.stride..][..tile.step]);
+            acc = row_sums(s, d, mk, x, m, None, zero, acc);
         }
         sdy += s.sum_f64(acc.0);
         sdx += s.sum_f64(acc.1);
@@ -134,6 +138,7 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 struct TaskSums<'a, T: Element> {
     g: &'a Geometry,
     dy: &'a [T],
+    mask: Option<&'a [T]>,
     x: &'a [T],
     mean: &'a [T::Stat],
     task: ChannelTask,
@@ -150,6 +155,7 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
                 s,
                 self.g,
                 self.dy,
+                self.mask,
                 self.x,
                 self.mean[c],
                 c,
@@ -161,70 +167,78 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     }
 }
 
-/// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc`; with `dx`, also
-/// writes `dx = dy·k1` (the inference gradient, fused into the same read).
+/// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc` (dy masked to
+/// `mask > 0` when given); with `dx`, also writes `dx = dy·k1` (the inference
+/// gradient — or, with `k1 = 1`, the masked dy itself), fused into the same read.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     m: S::V,
-    dx: Option<(&mut [T], bool)>,
+    mut dx: Option<(&mut [T], bool)>,
     k1: S::V,
     (mut a, mut b): (S::V, S::V),
 ) -> (S::V, S::V) {
     let (l, n) = (S::LANES, dy.len());
+    let stream = dx.as_ref().is_some_and(|d| d.1);
+    // Peel a partial vector so that streaming stores are aligned.
+    let head = match &dx {
+        Some((out, st)) => head_len(out, l, *st),
+        None => 0,
+    };
     let mut i = 0;
-    match dx {
-        None => {
-            while i + l <= n {
-                let d = s.load(&dy[i..]);
-                a = s.add(a, d);
-                b = s.mul_add(d, s.sub(s.load(&x[i..]), m), b);
-                i += l;
-            }
-            if i < n {
-                let d = s.load_partial(&dy[i..]);
-                a = s.add(a, d);
-                b = s.mul_add(d, s.sub(s.load_partial(&x[i..]), m), b);
+    while i < n {
+        let len = if i == 0 && head > 0 {
+            head
+        } else {
+            l.min(n - i)
+        };
+        let full = len == l;
+        let mut d = load_len(s, dy, i, len);
+        if let Some(y) = mask {
+            d = s.mask_positive(load_len(s, y, i, len), d);
+        }
+        a = s.add(a, d);
+        b = s.mul_add(d, s.sub(load_len(s, x, i, len), m), b);
+        if let Some((out, _)) = dx.as_mut() {
+            let v = s.mul(d, k1);
+            if !full {
+                s.store_partial(&mut out[i..i + len], v);
+            } else if stream {
+                s.stream(&mut out[i..], v);
+            } else {
+                s.store(&mut out[i..], v);
             }
         }
-        Some((out, stream)) => {
-            // Peel a partial vector so that the streaming stores below are aligned.
-            let head = head_len(out, l, stream);
-            if head > 0 {
-                let d = s.load_partial(&dy[..head]);
-                a = s.add(a, d);
-                b = s.mul_add(d, s.sub(s.load_partial(&x[..head]), m), b);
-                s.store_partial(&mut out[..head], s.mul(d, k1));
-                i = head;
-            }
-            while i + l <= n {
-                let d = s.load(&dy[i..]);
-                a = s.add(a, d);
-                b = s.mul_add(d, s.sub(s.load(&x[i..]), m), b);
-                if stream {
-                    s.stream(&mut out[i..], s.mul(d, k1));
-                } else {
-                    s.store(&mut out[i..], s.mul(d, k1));
-                }
-                i += l;
-            }
-            if i < n {
-                let d = s.load_partial(&dy[i..]);
-                a = s.add(a, d);
-                b = s.mul_add(d, s.sub(s.load_partial(&x[i..]), m), b);
-                s.store_partial(&mut out[i..], s.mul(d, k1));
-            }
-        }
+        i += len;
     }
     (a, b)
+}
+
+/// `len` elements of `v` from `at`: a full vector, or a partial one when `len < LANES`.
+/// (A function, not a closure: closures lose the kernel's target features.)
+#[inline(always)]
+fn load_len<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    v: &[T],
+    at: usize,
+    len: usize,
+) -> S::V {
+    if len == S::LANES {
+        s.load(&v[at..])
+    } else {
+        s.load_partial(&v[at..at + len])
+    }
 }
 
 /// Backward sums over whole pixels, by tiles flushed to `f64`; with `dx`, also writes
 /// `dx = dy·k1` (the inference gradient).
 pub(crate) struct PixelSums<'a, T: Element> {
     pub dy: &'a [T],
+    pub mask: Option<&'a [T]>,
     pub x: &'a [T],
     pub mean: &'a [T::Stat],
     pub dx: Option<(&'a mut [T], &'a [T::Stat])>,
@@ -253,31 +267,28 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
             a.fill(zero);
             b.fill(zero);
             for (p, (dp, xp)) in dt.chunks_exact(c).zip(xt.chunks_exact(c)).enumerate() {
-                for gi in 0..full {
-                    let (d, xv) = (s.load(&dp[gi * l..]), s.load(&xp[gi * l..]));
-                    a[gi] = s.add(a[gi], d);
-                    b[gi] = s.mul_add(d, s.sub(xv, s.load(&mean[gi * l..])), b[gi]);
-                }
-                if full < groups {
-                    let (d, xv) = (
-                        s.load_partial(&dp[full * l..]),
-                        s.load_partial(&xp[full * l..]),
-                    );
-                    a[full] = s.add(a[full], d);
-                    b[full] = s.mul_add(d, s.sub(xv, s.load(&mean[full * l..])), b[full]);
-                }
-                if let Some(o) = out.as_deref_mut() {
-                    // dx = dy·k1, from the pixel just read (still in L1).
-                    let o = &mut o[t * tile + p * c..][..c];
-                    for gi in 0..full {
-                        s.store(
-                            &mut o[gi * l..],
-                            s.mul(s.load(&dp[gi * l..]), s.load(&k1[gi * l..])),
-                        );
+                let at = t * tile + p * c;
+                let yp = self.mask.map(|y| &y[at..][..c]);
+                let mut o = out.as_deref_mut().map(|o| &mut o[at..][..c]);
+                for gi in 0..groups {
+                    let (full_group, at, len) = (gi < full, gi * l, l.min(c - gi * l));
+                    let mut d = load_len(s, dp, at, len);
+                    if let Some(y) = yp {
+                        d = s.mask_positive(load_len(s, y, at, len), d);
                     }
-                    if full < groups {
-                        let v = s.mul(s.load_partial(&dp[full * l..]), s.load(&k1[full * l..]));
-                        s.store_partial(&mut o[full * l..], v);
+                    a[gi] = s.add(a[gi], d);
+                    b[gi] = s.mul_add(
+                        d,
+                        s.sub(load_len(s, xp, at, len), s.load(&mean[at..])),
+                        b[gi],
+                    );
+                    if let Some(o) = o.as_deref_mut() {
+                        let v = s.mul(d, s.load(&k1[gi * l..]));
+                        if full_group {
+                            s.store(&mut o[gi * l..], v);
+                        } else {
+                            s.store_partial(&mut o[gi * l..], v);
+                        }
                     }
                 }
             }
@@ -295,6 +306,7 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
 }
 
 /// `(dy − dm)·k1 + (x − m)·k2`.
+#[derive(Clone, Copy)]
 pub(crate) struct BackwardFn;
 
 impl VectorFn<2, 4> for BackwardFn {
@@ -309,12 +321,25 @@ impl VectorFn<2, 4> for BackwardFn {
     }
 }
 
-/// `dx = (dy − dy_mean[c])·k1[c] + (x − mean[c])·k2[c]`, computed in `U`, rounded once.
+/// `(mask > 0 ? dy : 0 − dm)·k1 + (x − m)·k2`: the training gradient after a ReLU.
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardMaskFn;
+
+impl VectorFn<3, 4> for BackwardMaskFn {
+    #[inline(always)]
+    fn eval<U: Real, S: Simd<U>>(&self, s: S, [dy, x, y]: [S::V; 3], k: [S::V; 4]) -> S::V {
+        BackwardFn.eval(s, [s.mask_positive(y, dy), x], k)
+    }
+}
+
+/// `dx = (dy − dy_mean[c])·k1[c] + (x − mean[c])·k2[c]`, computed in `U`, rounded once;
+/// with `mask`, dy counts only where `mask > 0`.
 #[allow(clippy::too_many_arguments)]
 pub fn apply<T: Element>(
     g: &Geometry,
     isa: Isa,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     dy_mean: &[T::Stat],
     mean: &[T::Stat],
@@ -323,22 +348,9 @@ pub fn apply<T: Element>(
     dx: &mut [T],
 ) {
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && dx.len() == g.len());
-    let stream = g.stream(size_of::<T>());
-    let row_len = g.row_len();
-    for_each_row_chunk(g, dx, |row0, out| {
-        let off = row0 * row_len;
-        let ins = [&dy[off..][..out.len()], &x[off..][..out.len()]];
-        T::Stat::dispatch(
-            isa,
-            Elementwise {
-                g,
-                row0,
-                ins,
-                out,
-                consts: [dy_mean, mean, k1, k2],
-                stream,
-                f: BackwardFn,
-            },
-        );
-    });
+    let k = [dy_mean, mean, k1, k2];
+    match mask {
+        None => elementwise(g, isa, [dy, x], k, dx, BackwardFn),
+        Some(y) => elementwise(g, isa, [dy, x, y], k, dx, BackwardMaskFn),
+    }
 }

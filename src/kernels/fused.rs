@@ -1,13 +1,16 @@
 //! Whole ops with the fewest trips to memory.
 //!
-//! - [`forward_training`]: statistics, then `y`. Channel-major with a channel slice that
-//!   fits in L2 ([`RESIDENT_BYTES`](super::RESIDENT_BYTES)): each task reduces one
-//!   channel and transforms it while it is hot — one DRAM read of x, one write of y.
-//!   Otherwise two passes (x is read twice).
+//! - [`forward_training`]: statistics, then `y` (with the Ex epilogue: residual add
+//!   and ReLU in the same pass). Channel-major with a channel slice that fits in L2
+//!   ([`RESIDENT_BYTES`](super::RESIDENT_BYTES)): each task reduces one channel and
+//!   transforms it while it is hot — one DRAM read of x, one write of y. Otherwise two
+//!   passes (x is read twice).
 //! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
-//!   x of a channel fit in L2, two passes otherwise.
+//!   x of a channel fit in L2, two passes otherwise. After a ReLU, dy is masked by the
+//!   forward `y > 0` on the fly in both passes.
 //! - [`backward_inference`]: `dx = dy·k1` needs no reduction first, so the sums and
-//!   `dx` come from a single read of dy and x.
+//!   `dx` come from a single read of dy and x. With `k1 = 1` the same pass writes the
+//!   masked dy (the Ex gradient's `side_input_backprop`) while it reduces.
 //!
 //! The per-channel coefficients are the caller's business (the typed layer's math):
 //! the drivers call `coeffs(channel, reduction)` as soon as a channel's reduction is
@@ -17,8 +20,8 @@ use std::mem::size_of;
 
 use rayon::prelude::*;
 
-use super::apply::{run_splat, Affine};
-use super::backward::{self, row_sums, BackwardFn, BackwardSums, PixelSums};
+use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
+use super::backward::{self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, PixelSums};
 use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
@@ -62,7 +65,9 @@ fn map_items<I: Send, R: Send>(
 
 /// Groups of whole channels of about [`TASK`] elements, each with the rows of its
 /// channels (`rows[i][o]` belongs to channel `c0 + i`).
-fn channel_groups<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<(usize, Vec<Vec<&'a mut [T]>>)> {
+type ChannelGroup<'a, T> = (usize, Vec<Vec<&'a mut [T]>>);
+
+fn channel_groups<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<ChannelGroup<'a, T>> {
     let per_group = (TASK / g.per_channel().max(1)).max(1);
     let mut groups = Vec::new();
     let mut rows = channel_rows_mut(g, out).into_iter();
@@ -72,19 +77,34 @@ fn channel_groups<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<(usize, Vec<Vec<
     groups
 }
 
-/// Forward training over a group of L2-resident channels: for each channel, its
-/// moments, then `y` from the still-cached rows.
-struct ResidentForward<'a, T: Element, F> {
-    g: &'a Geometry,
-    x: &'a [T],
-    c0: usize,
-    rows: Vec<Vec<&'a mut [T]>>,
-    coeffs: &'a F,
-    stream: bool,
+/// The rows of channel `c` at outer index `o` of each input.
+#[inline(always)]
+fn row_of<'a, T, const N: usize>(
+    g: &Geometry,
+    ins: &[&'a [T]; N],
+    c: usize,
+    o: usize,
+) -> [&'a [T]; N] {
+    let off = (o * g.channels + c) * g.inner;
+    ins.map(|x| &x[off..][..g.inner])
 }
 
-impl<T: Element, F: Fn(usize, Moments) -> [T::Stat; 3]> Kernel<T::Stat>
-    for ResidentForward<'_, T, F>
+/// Forward training over a group of L2-resident channels: for each channel, its
+/// moments (from `ins[0]`, which is x), then the output from the still-cached rows.
+struct ResidentForward<'a, T: Element, C, F, const N: usize> {
+    g: &'a Geometry,
+    ins: [&'a [T]; N],
+    c0: usize,
+    rows: Vec<Vec<&'a mut [T]>>,
+    coeffs: &'a C,
+    stream: bool,
+    f: F,
+}
+
+impl<T: Element, C, F, const N: usize> Kernel<T::Stat> for ResidentForward<'_, T, C, F, N>
+where
+    C: Fn(usize, Moments) -> [T::Stat; 3],
+    F: VectorFn<N, 3>,
 {
     type Output = Vec<Moments>;
     #[inline(always)]
@@ -93,11 +113,10 @@ impl<T: Element, F: Fn(usize, Moments) -> [T::Stat; 3]> Kernel<T::Stat>
         let mut out = Vec::with_capacity(self.rows.len());
         for (i, rows) in self.rows.into_iter().enumerate() {
             let c = self.c0 + i;
-            let m = stats::channel_rows_in(s, g, self.x, c, 0, g.outer);
+            let m = stats::channel_rows_in(s, g, self.ins[0], c, 0, g.outer);
             let k = splat_n(s, (self.coeffs)(c, m));
             for (o, y) in rows.into_iter().enumerate() {
-                let x = &self.x[(o * g.channels + c) * g.inner..][..g.inner];
-                run_splat(s, [x], y, k, self.stream, &Affine);
+                run_splat(s, row_of(g, &self.ins, c, o), y, k, self.stream, &self.f);
             }
             out.push(m);
         }
@@ -109,36 +128,37 @@ impl<T: Element, F: Fn(usize, Moments) -> [T::Stat; 3]> Kernel<T::Stat>
 }
 
 /// Backward training over a group of L2-resident channels: for each channel, its sums,
-/// then `dx` from the still-cached rows of dy and x.
-struct ResidentBackward<'a, T: Element, F> {
+/// then `dx` from the still-cached rows of `ins` = dy, x (and the mask y).
+struct ResidentBackward<'a, T: Element, C, F, const N: usize> {
     g: &'a Geometry,
-    dy: &'a [T],
-    x: &'a [T],
+    ins: [&'a [T]; N],
     mean: &'a [T::Stat],
     c0: usize,
     rows: Vec<Vec<&'a mut [T]>>,
-    coeffs: &'a F,
+    coeffs: &'a C,
     stream: bool,
+    f: F,
 }
 
-impl<T: Element, F: Fn(usize, f64, f64) -> [T::Stat; 3]> Kernel<T::Stat>
-    for ResidentBackward<'_, T, F>
+impl<T: Element, C, F, const N: usize> Kernel<T::Stat> for ResidentBackward<'_, T, C, F, N>
+where
+    C: Fn(usize, f64, f64) -> [T::Stat; 3],
+    F: VectorFn<N, 4>,
 {
     type Output = Vec<(f64, f64)>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
         let g = self.g;
+        let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
         let mut out = Vec::with_capacity(self.rows.len());
         for (i, rows) in self.rows.into_iter().enumerate() {
             let c = self.c0 + i;
             let (sdy, sdx) =
-                backward::channel_rows_in(s, g, self.dy, self.x, self.mean[c], c, 0, g.outer);
+                backward::channel_rows_in(s, g, dy, mask, x, self.mean[c], c, 0, g.outer);
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for (o, dx) in rows.into_iter().enumerate() {
-                let off = (o * g.channels + c) * g.inner;
-                let ins = [&self.dy[off..][..g.inner], &self.x[off..][..g.inner]];
-                run_splat(s, ins, dx, k, self.stream, &BackwardFn);
+                run_splat(s, row_of(g, &self.ins, c, o), dx, k, self.stream, &self.f);
             }
             out.push((sdy, sdx));
         }
@@ -150,32 +170,28 @@ impl<T: Element, F: Fn(usize, f64, f64) -> [T::Stat; 3]> Kernel<T::Stat>
 }
 
 /// Forward pass in training mode: per-channel moments of `x`, then
-/// `y = (x − k[0])·k[1] + k[2]` with `k = coeffs(c, moments[c])`. Returns the moments.
+/// `y = act((x − k[0])·k[1] + k[2] + side)` with `k = coeffs(c, moments[c])`.
+/// Returns the moments.
 pub fn forward_training<T: Element>(
     g: &Geometry,
     isa: Isa,
     x: &[T],
+    epi: Epilogue<'_, T>,
     y: &mut [T],
     coeffs: impl Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
 ) -> Vec<Moments> {
     let size = size_of::<T>();
     if !g.channels_last() && g.per_channel() * size <= RESIDENT_BYTES {
-        let stream = g.stream(size);
-        let coeffs = &coeffs;
-        map_items(g, channel_groups(g, y), |_, (c0, rows)| {
-            T::Stat::dispatch(
-                isa,
-                ResidentForward {
-                    g,
-                    x,
-                    c0,
-                    rows,
-                    coeffs,
-                    stream,
-                },
-            )
-        })
-        .concat()
+        match (epi.side, epi.relu) {
+            (None, false) => resident_forward(g, isa, [x], y, &coeffs, Affine),
+            (None, true) => resident_forward(g, isa, [x], y, &coeffs, AffineRelu),
+            (Some(side), false) => {
+                resident_forward(g, isa, [x, side], y, &coeffs, AffineSide::<false>)
+            }
+            (Some(side), true) => {
+                resident_forward(g, isa, [x, side], y, &coeffs, AffineSide::<true>)
+            }
+        }
     } else {
         let moments = stats::channel_moments(g, isa, x);
         let k: Vec<[T::Stat; 3]> = moments
@@ -184,60 +200,115 @@ pub fn forward_training<T: Element>(
             .map(|(c, m)| coeffs(c, *m))
             .collect();
         let [shift, a, b] = columns(&k);
-        apply::affine(g, isa, x, &shift, &a, &b, y);
+        apply::affine(g, isa, x, &shift, &a, &b, epi, y);
         moments
     }
 }
 
+fn resident_forward<T: Element, C, F, const N: usize>(
+    g: &Geometry,
+    isa: Isa,
+    ins: [&[T]; N],
+    y: &mut [T],
+    coeffs: &C,
+    f: F,
+) -> Vec<Moments>
+where
+    C: Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
+    F: VectorFn<N, 3> + Copy + Send + Sync,
+{
+    let stream = g.stream(size_of::<T>());
+    map_items(g, channel_groups(g, y), |_, (c0, rows)| {
+        T::Stat::dispatch(
+            isa,
+            ResidentForward {
+                g,
+                ins,
+                c0,
+                rows,
+                coeffs,
+                stream,
+                f,
+            },
+        )
+    })
+    .concat()
+}
+
 /// Gradient in training mode: the backward sums, then
-/// `dx = (dy − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`.
+/// `dx = (dy − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`;
+/// with `mask` (the forward `y` of a ReLU) dy counts only where `mask > 0`.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_training<T: Element>(
     g: &Geometry,
     isa: Isa,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     mean: &[T::Stat],
     dx: &mut [T],
     coeffs: impl Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
 ) -> BackwardSums {
     let size = size_of::<T>();
-    if !g.channels_last() && 2 * g.per_channel() * size <= RESIDENT_BYTES {
-        let stream = g.stream(size);
-        let coeffs = &coeffs;
-        let per = map_items(g, channel_groups(g, dx), |_, (c0, rows)| {
-            T::Stat::dispatch(
-                isa,
-                ResidentBackward {
-                    g,
-                    dy,
-                    x,
-                    mean,
-                    c0,
-                    rows,
-                    coeffs,
-                    stream,
-                },
-            )
-        })
-        .concat();
+    let inputs = if mask.is_some() { 3 } else { 2 };
+    if !g.channels_last() && inputs * g.per_channel() * size <= RESIDENT_BYTES {
+        let per = match mask {
+            None => resident_backward(g, isa, [dy, x], mean, dx, &coeffs, BackwardFn),
+            Some(y) => resident_backward(g, isa, [dy, x, y], mean, dx, &coeffs, BackwardMaskFn),
+        };
         BackwardSums::from_pairs(&per)
     } else {
-        let sums = backward::reduce(g, isa, dy, x, mean);
+        let sums = backward::reduce(g, isa, dy, mask, x, mean);
         let k: Vec<[T::Stat; 3]> = (0..g.channels)
             .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
             .collect();
         let [dm, k1, k2] = columns(&k);
-        backward::apply(g, isa, dy, x, &dm, mean, &k1, &k2, dx);
+        backward::apply(g, isa, dy, mask, x, &dm, mean, &k1, &k2, dx);
         sums
     }
 }
 
+fn resident_backward<T: Element, C, F, const N: usize>(
+    g: &Geometry,
+    isa: Isa,
+    ins: [&[T]; N],
+    mean: &[T::Stat],
+    dx: &mut [T],
+    coeffs: &C,
+    f: F,
+) -> Vec<(f64, f64)>
+where
+    C: Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
+    F: VectorFn<N, 4> + Copy + Send + Sync,
+{
+    let stream = g.stream(size_of::<T>());
+    map_items(g, channel_groups(g, dx), |_, (c0, rows)| {
+        T::Stat::dispatch(
+            isa,
+            ResidentBackward {
+                g,
+                ins,
+                mean,
+                c0,
+                rows,
+                coeffs,
+                stream,
+                f,
+            },
+        )
+    })
+    .concat()
+}
+
 /// Gradient in inference mode: `dx = dy·k1[c]` and the backward sums (with `mean`), in
-/// one read of dy and x.
+/// one read of dy and x; with `mask`, dy counts only where `mask > 0` (and with
+/// `k1 = 1`, `dx` receives the masked dy itself).
+#[allow(clippy::too_many_arguments)]
 pub fn backward_inference<T: Element>(
     g: &Geometry,
     isa: Isa,
     dy: &[T],
+    mask: Option<&[T]>,
     x: &[T],
     mean: &[T::Stat],
     k1: &[T::Stat],
@@ -254,6 +325,7 @@ pub fn backward_inference<T: Element>(
                 isa,
                 PixelSums {
                     dy: &dy[range.clone()],
+                    mask: mask.map(|m| &m[range.clone()]),
                     x: &x[range],
                     mean,
                     dx: Some((out, k1)),
@@ -273,12 +345,10 @@ pub fn backward_inference<T: Element>(
         let items: Vec<(ChannelTask, Vec<Vec<&mut [T]>>)> = tasks
             .iter()
             .map(|t| {
-                (
-                    *t,
-                    (t.c0..t.c1)
-                        .map(|c| rows[c].by_ref().take(t.o1 - t.o0).collect())
-                        .collect(),
-                )
+                let rows = (t.c0..t.c1)
+                    .map(|c| rows[c].by_ref().take(t.o1 - t.o0).collect())
+                    .collect();
+                (*t, rows)
             })
             .collect();
         let partials = map_items(g, items, |_, (task, rows)| {
@@ -288,6 +358,7 @@ pub fn backward_inference<T: Element>(
                     g,
                     task,
                     dy,
+                    mask,
                     x,
                     mean,
                     k1,
@@ -307,6 +378,7 @@ struct InferenceRows<'a, T: Element> {
     g: &'a Geometry,
     task: ChannelTask,
     dy: &'a [T],
+    mask: Option<&'a [T]>,
     x: &'a [T],
     mean: &'a [T::Stat],
     k1: &'a [T::Stat],
@@ -329,7 +401,8 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
             for (j, dx) in rows.into_iter().enumerate() {
                 let off = ((t.o0 + j) * g.channels + c) * g.inner;
                 let (d, x) = (&self.dy[off..][..g.inner], &self.x[off..][..g.inner]);
-                acc = row_sums(s, d, x, m, Some((dx, self.stream)), k1, acc);
+                let mk = self.mask.map(|y| &y[off..][..g.inner]);
+                acc = row_sums(s, d, mk, x, m, Some((dx, self.stream)), k1, acc);
                 pending += g.inner;
                 if pending >= TILE {
                     sdy += s.sum_f64(acc.0);

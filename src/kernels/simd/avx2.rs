@@ -69,6 +69,14 @@ impl Simd<f32> for Avx2 {
         unsafe { _mm256_fmadd_ps(a, b, c) }
     }
     #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mask_positive(self, m: __m256, v: __m256) -> __m256 {
+        unsafe { _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(m, _mm256_setzero_ps()), v) }
+    }
+    #[inline(always)]
     fn sum_f64(self, v: __m256) -> f64 {
         let mut a = [0f32; L];
         unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };

@@ -75,6 +75,14 @@ impl Simd<f32> for Avx512 {
         unsafe { _mm512_fmadd_ps(a, b, c) }
     }
     #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mask_positive(self, m: __m512, v: __m512) -> __m512 {
+        unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps()), v) }
+    }
+    #[inline(always)]
     fn sum_f64(self, v: __m512) -> f64 {
         let mut a = [0f32; L];
         unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) };

@@ -192,6 +192,11 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a · b + c` (fused where the ISA has FMA).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `if a > b { a } else { b }` per lane (x86 `max` semantics: `b` when either is
+    /// NaN), so `max(0, v)` is a ReLU that keeps NaN and −0.
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `v` where `m > 0`, else 0 (ReLU's gradient mask: 0 for NaN `m`).
+    fn mask_positive(self, m: Self::V, v: Self::V) -> Self::V;
     /// The lanes summed in `f64`, lane 0 first.
     fn sum_f64(self, v: Self::V) -> f64;
     /// Loads `LANES` elements (`src.len() >= LANES`).

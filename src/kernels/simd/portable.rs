@@ -37,6 +37,14 @@ impl<U: Real> Simd<U> for Portable {
         std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
+    fn max(self, a: [U; L], b: [U; L]) -> [U; L] {
+        std::array::from_fn(|i| if a[i] > b[i] { a[i] } else { b[i] })
+    }
+    #[inline(always)]
+    fn mask_positive(self, m: [U; L], v: [U; L]) -> [U; L] {
+        std::array::from_fn(|i| if m[i] > U::ZERO { v[i] } else { U::ZERO })
+    }
+    #[inline(always)]
     fn sum_f64(self, v: [U; L]) -> f64 {
         v.iter().map(|x| x.to_f64()).sum()
     }
