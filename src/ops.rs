@@ -19,7 +19,7 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
-use crate::batch_norm::{Gradients, RunningStats, SavedStats};
+use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats};
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
 use crate::problem::{check_x_shape, DataFormat, Problem, DEFAULT_EPSILON};
@@ -40,6 +40,12 @@ pub enum Op {
     FusedBatchNormGradV2,
     /// `FusedBatchNormGradV3`: as V2, also 5-D; takes `reserve_space_3`.
     FusedBatchNormGradV3,
+    /// `FusedBatchNormEx` (TensorFlow's `_FusedBatchNormEx`): V3 plus an optional
+    /// `side_input` and `activation_mode`: `y = act(bn(x) + side_input)`.
+    FusedBatchNormEx,
+    /// `FusedBatchNormGradEx`: the gradient of `FusedBatchNormEx`, masked by the
+    /// forward `y` for ReLU; also returns `side_input_backprop`.
+    FusedBatchNormGradEx,
 }
 
 const FORWARD_INPUTS: &[&str] = &["x", "scale", "offset", "mean", "variance"];
@@ -94,16 +100,45 @@ const FORWARD_ATTRS: &[&str] = &[
     "exponential_avg_factor",
 ];
 const GRAD_ATTRS: &[&str] = &["epsilon", "data_format", "is_training"];
+const EX_INPUTS: &[&str] = &["x", "scale", "offset", "mean", "variance", "side_input"];
+const GRAD_EX_INPUTS: &[&str] = &[
+    "y_backprop",
+    "x",
+    "scale",
+    "reserve_space_1",
+    "reserve_space_2",
+    "reserve_space_3",
+    "offset",
+    "y",
+];
+const GRAD_EX_OUTPUTS: &[&str] = &[
+    "x_backprop",
+    "scale_backprop",
+    "offset_backprop",
+    "reserve_space_4",
+    "reserve_space_5",
+    "side_input_backprop",
+];
+const EX_ATTRS: &[&str] = &[
+    "epsilon",
+    "data_format",
+    "is_training",
+    "exponential_avg_factor",
+    "activation_mode",
+];
+const GRAD_EX_ATTRS: &[&str] = &["epsilon", "data_format", "is_training", "activation_mode"];
 
 impl Op {
     /// Every op, forward first.
-    pub const ALL: [Op; 6] = [
+    pub const ALL: [Op; 8] = [
         Op::FusedBatchNorm,
         Op::FusedBatchNormV2,
         Op::FusedBatchNormV3,
         Op::FusedBatchNormGrad,
         Op::FusedBatchNormGradV2,
         Op::FusedBatchNormGradV3,
+        Op::FusedBatchNormEx,
+        Op::FusedBatchNormGradEx,
     ];
 
     /// TensorFlow's name of the op.
@@ -115,6 +150,8 @@ impl Op {
             Op::FusedBatchNormGrad => "FusedBatchNormGrad",
             Op::FusedBatchNormGradV2 => "FusedBatchNormGradV2",
             Op::FusedBatchNormGradV3 => "FusedBatchNormGradV3",
+            Op::FusedBatchNormEx => "FusedBatchNormEx",
+            Op::FusedBatchNormGradEx => "FusedBatchNormGradEx",
         }
     }
 
@@ -122,7 +159,10 @@ impl Op {
     pub fn is_gradient(self) -> bool {
         matches!(
             self,
-            Op::FusedBatchNormGrad | Op::FusedBatchNormGradV2 | Op::FusedBatchNormGradV3
+            Op::FusedBatchNormGrad
+                | Op::FusedBatchNormGradV2
+                | Op::FusedBatchNormGradV3
+                | Op::FusedBatchNormGradEx
         )
     }
 
@@ -131,12 +171,25 @@ impl Op {
         match self {
             Op::FusedBatchNorm | Op::FusedBatchNormGrad => 1,
             Op::FusedBatchNormV2 | Op::FusedBatchNormGradV2 => 2,
-            Op::FusedBatchNormV3 | Op::FusedBatchNormGradV3 => 3,
+            Op::FusedBatchNormV3
+            | Op::FusedBatchNormGradV3
+            | Op::FusedBatchNormEx
+            | Op::FusedBatchNormGradEx => 3,
         }
+    }
+
+    /// True for the Ex ops (side input and activation).
+    pub fn is_ex(self) -> bool {
+        matches!(self, Op::FusedBatchNormEx | Op::FusedBatchNormGradEx)
     }
 
     /// The op's input names, in TensorFlow's order.
     pub fn input_names(self) -> &'static [&'static str] {
+        match self {
+            Op::FusedBatchNormEx => return EX_INPUTS,
+            Op::FusedBatchNormGradEx => return GRAD_EX_INPUTS,
+            _ => {}
+        }
         match (self.is_gradient(), self.version()) {
             (false, _) => FORWARD_INPUTS,
             (true, 3) => GRAD_V3_INPUTS,
@@ -146,6 +199,9 @@ impl Op {
 
     /// The op's output names, in TensorFlow's order.
     pub fn output_names(self) -> &'static [&'static str] {
+        if self == Op::FusedBatchNormGradEx {
+            return GRAD_EX_OUTPUTS;
+        }
         match (self.is_gradient(), self.version()) {
             (false, 3) => FORWARD_V3_OUTPUTS,
             (false, _) => FORWARD_OUTPUTS,
@@ -156,6 +212,11 @@ impl Op {
 
     /// The op's attribute names.
     pub fn attr_names(self) -> &'static [&'static str] {
+        match self {
+            Op::FusedBatchNormEx => return EX_ATTRS,
+            Op::FusedBatchNormGradEx => return GRAD_EX_ATTRS,
+            _ => {}
+        }
         if self.is_gradient() {
             GRAD_ATTRS
         } else {
@@ -240,6 +301,7 @@ impl Op {
         } else {
             (inputs.get("mean"), inputs.get("variance"))
         };
+        let side = inputs.get("side_input");
         // §4 rules 1-2: ranks.
         check_x_shape("x", attrs.data_format, x.shape())?;
         check_vector("scale", scale)?;
@@ -261,6 +323,9 @@ impl Op {
                 }
             }
         }
+        if let Some(side) = side {
+            check_same_shape("side_input", side, x)?;
+        }
         // Rule 7: element types.
         self.check_dtype("x", x)?;
         let u = stat_dtype(x.dtype());
@@ -274,16 +339,35 @@ impl Op {
                 check_stat_dtype(name, t, u)?;
             }
         }
+        if let Some(side) = side {
+            check_same_dtype("side_input", side, x)?;
+        }
+        // Rule 8: in training, a side input needs the ReLU (TensorFlow's rule).
+        if attrs.is_training && side.is_some() && attrs.activation_mode != Activation::Relu {
+            return Err(Error::arg(
+                "activation_mode",
+                "Relu when a side_input is given in training",
+                attrs.activation_mode.as_str(),
+            ));
+        }
+        let ex = Ex {
+            side,
+            act: if self.is_ex() {
+                attrs.activation_mode
+            } else {
+                Activation::Identity
+            },
+        };
         let stats = if needs_stats {
             mean.zip(variance)
         } else {
             None
         };
         let mut out = match x.dtype() {
-            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, attrs)?,
-            DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, attrs)?,
-            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, attrs)?,
-            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, attrs)?,
+            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, ex, attrs)?,
+            DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, ex, attrs)?,
+            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, ex, attrs)?,
+            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, ex, attrs)?,
         };
         if self.version() == 3 {
             out.push(Tensor::empty(u));
@@ -298,10 +382,22 @@ impl Op {
         let rs1 = self.required(inputs, "reserve_space_1", "always required")?;
         let rs2 = self.required(inputs, "reserve_space_2", "always required")?;
         let rs3 = inputs.get("reserve_space_3");
+        let (offset, y) = if self.is_ex() {
+            let why = "required by FusedBatchNormGradEx";
+            (
+                Some(self.required(inputs, "offset", why)?),
+                Some(self.required(inputs, "y", why)?),
+            )
+        } else {
+            (None, None)
+        };
         // §4 rules 1-2: ranks.
         check_x_shape("y_backprop", attrs.data_format, dy.shape())?;
         check_x_shape("x", attrs.data_format, x.shape())?;
         check_vector("scale", scale)?;
+        if let Some(offset) = offset {
+            check_vector("offset", offset)?;
+        }
         check_vector("reserve_space_1", rs1)?;
         check_vector("reserve_space_2", rs2)?;
         if let Some(t) = rs3 {
@@ -327,6 +423,12 @@ impl Op {
         }
         check_channels("reserve_space_1", rs1, c)?;
         check_channels("reserve_space_2", rs2, c)?;
+        if let Some(offset) = offset {
+            check_channels("offset", offset, c)?;
+        }
+        if let Some(y) = y {
+            check_same_shape("y", y, x)?;
+        }
         // Rule 7: element types.
         self.check_dtype("y_backprop", dy)?;
         if x.dtype() != dy.dtype() {
@@ -342,19 +444,31 @@ impl Op {
             ("reserve_space_1", Some(rs1)),
             ("reserve_space_2", Some(rs2)),
             ("reserve_space_3", rs3),
+            ("offset", offset),
         ] {
             if let Some(t) = t {
                 check_stat_dtype(name, t, u)?;
             }
         }
-        let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(&problem, dy, x, scale, rs1, rs2, attrs)?,
-            DType::BF16 => gradient::<bf16>(&problem, dy, x, scale, rs1, rs2, attrs)?,
-            DType::F32 => gradient::<f32>(&problem, dy, x, scale, rs1, rs2, attrs)?,
-            DType::F64 => gradient::<f64>(&problem, dy, x, scale, rs1, rs2, attrs)?,
+        if let Some(y) = y {
+            check_same_dtype("y", y, x)?;
+        }
+        // The ReLU mask is the forward output; the Ex gradient also returns dy (masked)
+        // as the side input's gradient.
+        let ex = GradEx {
+            mask: y.filter(|_| attrs.activation_mode == Activation::Relu),
+            side_grad: self.is_ex(),
         };
+        let mut out = match x.dtype() {
+            DType::F16 => gradient::<f16>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
+            DType::BF16 => gradient::<bf16>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
+            DType::F32 => gradient::<f32>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
+            DType::F64 => gradient::<f64>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
+        };
+        let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
         out.push(Tensor::empty(u));
+        out.extend(side_grad);
         Ok(Outputs::new(self, out))
     }
 
@@ -440,6 +554,30 @@ fn check_channels_because(arg: &str, t: &Tensor, c: usize, why: &str) -> Result<
     ))
 }
 
+fn check_same_shape(arg: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+    if t.shape() == x.shape() {
+        Ok(())
+    } else {
+        Err(Error::arg(
+            arg,
+            format!("the shape of x, {:?}", x.shape()),
+            format!("shape {:?}", t.shape()),
+        ))
+    }
+}
+
+fn check_same_dtype(arg: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+    if t.dtype() == x.dtype() {
+        Ok(())
+    } else {
+        Err(Error::arg(
+            arg,
+            format!("the element type of x ({})", x.dtype()),
+            t.dtype().to_string(),
+        ))
+    }
+}
+
 fn check_stat_dtype(arg: &str, t: &Tensor, u: DType) -> Result<()> {
     if t.dtype() == u {
         Ok(())
@@ -458,14 +596,26 @@ fn typed<T: Element>(t: &Tensor) -> Result<&[T]> {
         .ok_or_else(|| Error::arg("tensor", T::DTYPE.to_string(), t.dtype().to_string()))
 }
 
+/// The Ex parts of a forward op: side input and activation.
+#[derive(Clone, Copy)]
+struct Ex<'a> {
+    side: Option<&'a Tensor>,
+    act: Activation,
+}
+
 fn forward<T: Element>(
     p: &Problem,
     x: &Tensor,
     scale: &Tensor,
     offset: &Tensor,
     stats: Option<(&Tensor, &Tensor)>,
+    ex: Ex<'_>,
     attrs: &Attrs,
 ) -> Result<Vec<Tensor>> {
+    let side = match ex.side {
+        Some(t) => Some(typed::<T>(t)?),
+        None => None,
+    };
     let c = p.channels();
     let zero = T::Stat::ZERO;
     let (xs, scale, offset) = (
@@ -481,10 +631,12 @@ fn forward<T: Element>(
             batch_mean.copy_from_slice(typed::<T::Stat>(m)?);
             batch_var.copy_from_slice(typed::<T::Stat>(v)?);
         }
-        p.forward_training(
+        p.forward_training_ex(
             xs,
             scale,
             offset,
+            side,
+            ex.act,
             &mut y,
             SavedStats {
                 mean: &mut rs1,
@@ -499,7 +651,7 @@ fn forward<T: Element>(
     } else {
         let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
         let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
-        p.forward_inference(xs, scale, offset, m, v, &mut y)?;
+        p.forward_inference_ex(xs, scale, offset, m, v, side, ex.act, &mut y)?;
         if p.is_empty() {
             let nan = T::Stat::from_f64(f64::NAN);
             batch_mean.fill(nan);
@@ -520,6 +672,15 @@ fn forward<T: Element>(
     ])
 }
 
+/// The Ex parts of a gradient op: the ReLU mask and whether to return the side
+/// input's gradient.
+#[derive(Clone, Copy)]
+struct GradEx<'a> {
+    mask: Option<&'a Tensor>,
+    side_grad: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn gradient<T: Element>(
     p: &Problem,
     dy: &Tensor,
@@ -527,8 +688,23 @@ fn gradient<T: Element>(
     scale: &Tensor,
     rs1: &Tensor,
     rs2: &Tensor,
+    ex: GradEx<'_>,
     attrs: &Attrs,
 ) -> Result<Vec<Tensor>> {
+    let mask = match ex.mask {
+        Some(t) => Some(typed::<T>(t)?),
+        None => None,
+    };
+    let mut side_grad = if ex.side_grad {
+        vec![T::default(); x.numel()]
+    } else {
+        Vec::new()
+    };
+    let side_out = if ex.side_grad {
+        Some(&mut side_grad[..])
+    } else {
+        None
+    };
     let c = p.channels();
     let (dys, xs) = (typed::<T>(dy)?, typed::<T>(x)?);
     let (scale, rs1, rs2) = (
@@ -544,15 +720,19 @@ fn gradient<T: Element>(
         offset: &mut doffset,
     };
     if attrs.is_training {
-        p.backward_training(dys, xs, scale, rs1, rs2, grads)?;
+        p.backward_training_ex(dys, xs, scale, rs1, rs2, mask, grads, side_out)?;
     } else {
-        p.backward_inference(dys, xs, scale, rs1, rs2, grads)?;
+        p.backward_inference_ex(dys, xs, scale, rs1, rs2, mask, grads, side_out)?;
     }
-    Ok(vec![
+    let mut out = vec![
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::vector(dscale),
         Tensor::vector(doffset),
-    ])
+    ];
+    if ex.side_grad {
+        out.push(Tensor::new(x.shape().to_vec(), side_grad)?);
+    }
+    Ok(out)
 }
 
 /// The ops' attributes, with TensorFlow's defaults; built with chained setters.
@@ -580,6 +760,8 @@ pub struct Attrs {
     /// Weight of the batch statistics in the running averages (default 1: replace).
     /// Forward ops only.
     pub exponential_avg_factor: f32,
+    /// The activation of the Ex ops (default Identity).
+    pub activation_mode: Activation,
 }
 
 impl Default for Attrs {
@@ -589,6 +771,7 @@ impl Default for Attrs {
             data_format: DataFormat::Nhwc,
             is_training: true,
             exponential_avg_factor: 1.0,
+            activation_mode: Activation::Identity,
         }
     }
 }
@@ -623,6 +806,12 @@ impl Attrs {
         self
     }
 
+    /// Sets `activation_mode` (Ex ops).
+    pub fn activation_mode(mut self, v: Activation) -> Self {
+        self.activation_mode = v;
+        self
+    }
+
     /// Sets an attribute from its TensorFlow name and a string value
     /// (`is_training` takes `true`/`false`, numbers are decimal).
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
@@ -643,6 +832,9 @@ impl Attrs {
                     _ => return Err(bad("true or false")),
                 }
             }
+            "activation_mode" => {
+                self.activation_mode = value.parse().map_err(|_| bad("Identity or Relu"))?
+            }
             "data_format" => {
                 self.data_format = value
                     .parse()
@@ -651,7 +843,7 @@ impl Attrs {
             _ => {
                 return Err(Error::InvalidAttr {
                     name: name.into(),
-                    expected: format!("an attribute name: {}", FORWARD_ATTRS.join(", ")),
+                    expected: format!("an attribute name: {}", EX_ATTRS.join(", ")),
                     found: value.into(),
                 })
             }

@@ -172,3 +172,26 @@ pub fn backward(
         offset_backprop: sum_dy,
     }
 }
+
+/// The Ex forward epilogue applied to a forward result `y`: `act(y + side)`.
+pub fn epilogue(y: &[f64], side: Option<&[f64]>, relu: bool) -> Vec<f64> {
+    y.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let v = v + side.map_or(0.0, |s| s[i]);
+            if relu && v < 0.0 {
+                0.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// ReLU's gradient mask: `dy` where the forward output `y > 0`, else 0.
+pub fn relu_mask(dy: &[f64], y: &[f64]) -> Vec<f64> {
+    dy.iter()
+        .zip(y)
+        .map(|(&d, &v)| if v > 0.0 { d } else { 0.0 })
+        .collect()
+}

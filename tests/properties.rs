@@ -4,7 +4,7 @@
 mod common;
 
 use common::{eps, Rng};
-use fusedbn::batch_norm::{Gradients, RunningStats, SavedStats};
+use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats};
 use fusedbn::kernels::simd::Isa;
 use fusedbn::{reference, DataFormat, Element, Problem, Real};
 use half::{bf16, f16};
@@ -168,6 +168,8 @@ fn check_one<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> 
         .unwrap();
     let r = reference::forward_inference(fmt, shape, &x, &scale, &offset, &mean, &variance, e);
     close("y (inference)", &y, &r.y, 1e-5)?;
+
+    check_ex(d, &mu, &var)?;
 
     // Gradients: training with the saved statistics, inference with the population ones.
     for training in [true, false] {
@@ -459,4 +461,144 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
             }
         }
     }
+}
+
+/// The Ex ops: `act(bn(x) + side)` forward, and the ReLU-masked gradient with the side
+/// input's gradient, both modes, against the reference composed from the plain ops.
+fn check_ex<T: Element>(d: &Data<T>, mu: &[T::Stat], var: &[T::Stat]) -> Result<(), TestCaseError> {
+    let (p, c) = (&d.p, d.p.channels());
+    let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
+    let (x, dy) = (f64s(&d.x), f64s(&d.dy));
+    let (scale, offset) = (f64s(&d.scale), f64s(&d.offset));
+    let side: Vec<T> = d.dy.iter().rev().copied().collect();
+    let side64 = f64s(&side);
+    let zero = T::Stat::ZERO;
+    for training in [true, false] {
+        let mut y = vec![T::default(); p.len()];
+        let (mut m2, mut v2) = (vec![zero; c], vec![zero; c]);
+        if training {
+            p.forward_training_ex(
+                &d.x,
+                &d.scale,
+                &d.offset,
+                Some(&side),
+                Activation::Relu,
+                &mut y,
+                SavedStats {
+                    mean: &mut m2,
+                    variance: &mut v2,
+                },
+                None,
+            )
+            .unwrap();
+        } else {
+            p.forward_inference_ex(
+                &d.x,
+                &d.scale,
+                &d.offset,
+                &d.mean,
+                &d.variance,
+                Some(&side),
+                Activation::Relu,
+                &mut y,
+            )
+            .unwrap();
+        }
+        let base = if training {
+            reference::forward_training(fmt, shape, &x, &scale, &offset, &[], &[], e, 1.0).y
+        } else {
+            reference::forward_inference(
+                fmt,
+                shape,
+                &x,
+                &scale,
+                &offset,
+                &f64s(&d.mean),
+                &f64s(&d.variance),
+                e,
+            )
+            .y
+        };
+        let want = reference::epilogue(&base, Some(&side64), true);
+        let floor = base.iter().chain(&side64).fold(0f64, |m, v| m.max(v.abs()));
+        close_scaled("y (Ex, relu)", &y, &want, 1e-5, floor)?;
+
+        // Gradient through the ReLU, masked by our own y (so both sides agree on ties).
+        let (rs1, rs2) = if training {
+            (mu, var)
+        } else {
+            (&d.mean[..], &d.variance[..])
+        };
+        let mut dx = vec![T::default(); p.len()];
+        let mut side_grad = vec![T::default(); p.len()];
+        let (mut ds, mut db) = (vec![zero; c], vec![zero; c]);
+        let g = Gradients {
+            x: &mut dx,
+            scale: &mut ds,
+            offset: &mut db,
+        };
+        if training {
+            p.backward_training_ex(
+                &d.dy,
+                &d.x,
+                &d.scale,
+                rs1,
+                rs2,
+                Some(&y),
+                g,
+                Some(&mut side_grad),
+            )
+            .unwrap();
+        } else {
+            p.backward_inference_ex(
+                &d.dy,
+                &d.x,
+                &d.scale,
+                rs1,
+                rs2,
+                Some(&y),
+                g,
+                Some(&mut side_grad),
+            )
+            .unwrap();
+        }
+        let masked = reference::relu_mask(&dy, &f64s(&y));
+        // The side input's gradient is exactly the masked dy.
+        prop_assert!(
+            f64s(&side_grad) == masked,
+            "side_input_backprop differs from the masked dy"
+        );
+        let r = reference::backward(
+            fmt,
+            shape,
+            &masked,
+            &x,
+            &scale,
+            &f64s(rs1),
+            &f64s(rs2),
+            e,
+            training,
+        );
+        let r_max = f64s(rs2)
+            .iter()
+            .zip(&scale)
+            .fold(0f64, |m, (v, s)| m.max(s.abs() / (v + e).sqrt()));
+        let floor = dy.iter().fold(0f64, |m, v| m.max(v.abs())) * r_max;
+        close_scaled("x_backprop (Ex, relu)", &dx, &r.x_backprop, 1e-5, floor)?;
+        let tol = 1e-5 * (p.elements_per_channel() as f64).sqrt().max(1.0);
+        for ch in 0..c {
+            prop_assert!(
+                (db[ch].to_f64() - r.offset_backprop[ch]).abs() <= 4.0 * tol,
+                "Ex offset_backprop[{}]",
+                ch
+            );
+            prop_assert!(
+                (ds[ch].to_f64() - r.scale_backprop[ch]).abs()
+                    <= 8.0 * tol + 1e-6 * r.scale_backprop[ch].abs(),
+                "Ex scale_backprop[{}]",
+                ch
+            );
+        }
+    }
+    Ok(())
 }

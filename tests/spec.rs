@@ -794,3 +794,99 @@ fn spec7_statistics_with_drifting_data() {
         }
     }
 }
+
+// ---------------------------------------------------------------- Ex ops
+
+#[test]
+fn ex_validation() {
+    use fusedbn::batch_norm::Activation;
+    let f = Fwd::new();
+    let side = filled(&[2, 3, 3, 4], 0.5);
+    let relu = Attrs::new().activation_mode(Activation::Relu);
+    let ex = |side: &Tensor, attrs: Attrs| {
+        run(
+            Op::FusedBatchNormEx,
+            &[
+                ("x", &f.x),
+                ("scale", &f.scale),
+                ("offset", &f.offset),
+                ("mean", &f.mean),
+                ("variance", &f.variance),
+                ("side_input", side),
+            ],
+            attrs,
+        )
+    };
+    ex(&side, relu).unwrap();
+    // Rule 8: in training a side input needs the ReLU; in inference it does not.
+    assert_arg_error(
+        ex(&side, Attrs::new()),
+        "activation_mode",
+        &["Relu", "side_input", "Identity"],
+    );
+    ex(&side, Attrs::new().is_training(false)).unwrap();
+    assert_arg_error(
+        ex(&filled(&[2, 3, 3, 5], 0.5), relu),
+        "side_input",
+        &["shape of x", "[2, 3, 3, 5]"],
+    );
+    let half_side = Tensor::new(vec![2, 3, 3, 4], vec![f16::ONE; 72]).unwrap();
+    assert_arg_error(ex(&half_side, relu), "side_input", &["f32", "f16"]);
+    // Only the Ex ops know side_input and activation_mode.
+    let r = run(
+        Op::FusedBatchNormV3,
+        &[
+            ("x", &f.x),
+            ("scale", &f.scale),
+            ("offset", &f.offset),
+            ("side_input", &side),
+        ],
+        Attrs::new(),
+    );
+    assert!(
+        matches!(&r, Err(Error::UnknownInput { name, .. }) if name == "side_input"),
+        "{r:?}"
+    );
+    let e = Attrs::new().set("activation_mode", "Tanh").unwrap_err();
+    assert!(
+        e.to_string().contains("Identity or Relu") && e.to_string().contains("Tanh"),
+        "{e}"
+    );
+
+    // The Ex gradient needs the forward y (for the mask) and offset.
+    let g = Grad::new();
+    let y = filled(&[2, 3, 3, 4], 1.0);
+    let base = [
+        ("y_backprop", &g.dy),
+        ("x", &g.x),
+        ("scale", &g.scale),
+        ("reserve_space_1", &g.rs1),
+        ("reserve_space_2", &g.rs2),
+        ("offset", &g.scale),
+    ];
+    let r = run(Op::FusedBatchNormGradEx, &base, relu);
+    assert!(
+        matches!(&r, Err(Error::MissingInput { name, .. }) if name == "y"),
+        "{r:?}"
+    );
+    let mut with_y = base.to_vec();
+    with_y.push(("y", &y));
+    let out = run(Op::FusedBatchNormGradEx, &with_y, relu).unwrap();
+    // y > 0 everywhere: the side input's gradient is dy itself.
+    assert_eq!(out.get("side_input_backprop").unwrap(), &g.dy);
+    assert_eq!(out.get("reserve_space_5").unwrap().shape(), [0]);
+    let neg = filled(&[2, 3, 3, 4], -1.0);
+    with_y.pop();
+    with_y.push(("y", &neg));
+    let out = run(Op::FusedBatchNormGradEx, &with_y, relu).unwrap();
+    assert!(f32s(&out, "side_input_backprop").iter().all(|&v| v == 0.0));
+    assert!(f32s(&out, "x_backprop").iter().all(|&v| v == 0.0));
+    let bad_y = filled(&[2, 3, 3, 1], 1.0);
+    with_y.pop();
+    with_y.push(("y", &bad_y));
+    assert_arg_error(
+        run(Op::FusedBatchNormGradEx, &with_y, relu),
+        "y",
+        &["shape of x"],
+    );
+}

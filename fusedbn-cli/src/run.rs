@@ -185,6 +185,7 @@ fn attr_default(name: &str, a: &Attrs) -> String {
         "data_format" => a.data_format.to_string(),
         "is_training" => a.is_training.to_string(),
         "exponential_avg_factor" => a.exponential_avg_factor.to_string(),
+        "activation_mode" => a.activation_mode.to_string(),
         _ => "(none)".to_string(),
     }
 }
@@ -194,6 +195,7 @@ fn attr_values(name: &str) -> String {
     match name {
         "data_format" => DataFormat::ALL.map(DataFormat::as_str).join(" | "),
         "is_training" => "true | false".to_string(),
+        "activation_mode" => "Identity | Relu".to_string(),
         _ => "a decimal number".to_string(),
     }
 }

@@ -18,30 +18,49 @@ pub struct Case {
     pub expected: Vec<(String, PathBuf)>,
 }
 
-pub fn fixtures_dir() -> PathBuf {
-    // The library crate is the workspace root; the CLI crate is one level below it.
+/// `tests/<name>` at the workspace root (the library crate is the root; the CLI crate
+/// is one level below it).
+pub fn fixtures_dir(name: &str) -> PathBuf {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     let root = if here.join("tests/fixtures").is_dir() {
         here.to_path_buf()
     } else {
         here.join("..")
     };
-    root.join("tests/fixtures")
+    root.join("tests").join(name)
 }
 
-/// Every fixture, sorted by name.
+/// Every golden case this library runs: `tests/fixtures` (the six base ops) and the
+/// Ex ops of `tests/fixtures_ex`, sorted by name.
 pub fn cases() -> Vec<Case> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
-        .expect("tests/fixtures exists")
+    let base = cases_in("fixtures", |_| true);
+    assert!(
+        base.len() >= 100,
+        "expected the committed fixtures, found {}",
+        base.len()
+    );
+    let ex = cases_in("fixtures_ex", |op| op.ends_with("Ex"));
+    assert!(
+        ex.len() >= 60,
+        "expected the committed Ex fixtures, found {}",
+        ex.len()
+    );
+    base.into_iter().chain(ex).collect()
+}
+
+/// The cases under `tests/<dir>` whose op name passes `keep`, sorted by name.
+pub fn cases_in(dir: &str, keep: impl Fn(&str) -> bool) -> Vec<Case> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir(dir))
+        .unwrap_or_else(|e| panic!("tests/{dir}: {e}"))
         .map(|e| e.expect("readable dir entry").path())
         .filter(|p| p.join("case.json").is_file())
+        .filter(|p| {
+            let text = std::fs::read_to_string(p.join("case.json")).expect("case.json");
+            let j: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+            keep(j["op"].as_str().expect("op"))
+        })
         .collect();
     dirs.sort();
-    assert!(
-        dirs.len() >= 100,
-        "expected the committed fixtures, found {}",
-        dirs.len()
-    );
     dirs.iter().map(|d| load(d)).collect()
 }
 
