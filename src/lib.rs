@@ -41,6 +41,7 @@ pub mod batch_norm;
 pub mod element;
 pub mod error;
 pub mod kernels;
+pub mod layer;
 pub mod npy;
 pub mod ops;
 pub mod problem;

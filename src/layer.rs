@@ -1,0 +1,1 @@
+//! A Keras-style batch-normalization layer (being written).
