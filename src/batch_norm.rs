@@ -10,7 +10,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::kernels::apply::{self, Epilogue};
-use crate::kernels::{backward, fused};
+use crate::kernels::second_order::{self, SecondOrderCoeffs};
+use crate::kernels::{backward, fused, stats};
 use crate::problem::Problem;
 
 /// Where [`Problem::forward_training`] writes the batch statistics that the gradient
@@ -46,6 +47,18 @@ pub struct Gradients<'a, T: Element> {
     pub scale: &'a mut [T::Stat],
     /// `offset_backprop`, `C` elements.
     pub offset: &'a mut [T::Stat],
+}
+
+/// Where [`Problem::second_order`] writes its results: the gradients with respect to
+/// the gradient op's inputs `y_backprop`, `x` and `scale`.
+#[derive(Debug)]
+pub struct SecondOrderGradients<'a, T: Element> {
+    /// Gradient with respect to `y_backprop` (the length of x).
+    pub y_backprop: &'a mut [T],
+    /// Gradient with respect to `x` (the length of x).
+    pub x: &'a mut [T],
+    /// Gradient with respect to `scale`, `C` elements.
+    pub scale: &'a mut [T::Stat],
 }
 
 /// The activation after the residual add of the Ex ops (TensorFlow's
@@ -489,6 +502,131 @@ impl Problem {
             grads.offset[c] = T::Stat::from_f64(sums.sum_dy[c]);
             grads.scale[c] = T::Stat::from_f64(r(c) * sums.sum_dy_xc[c]);
         }
+        Ok(())
+    }
+
+    /// The gradient of the gradient op (SPEC §3, second order): given the gradient op's
+    /// inputs (`y_backprop`, `x`, `scale`, `reserve_space_1/2`) and the upstream
+    /// gradients of its outputs (`grad_x_backprop`, the shape of x;
+    /// `grad_scale_backprop`, `grad_offset_backprop`, `C` elements), the gradients with
+    /// respect to `y_backprop`, `x` and `scale`. In training the mean and variance are
+    /// recomputed from `x`, as TensorFlow does (the reserve spaces are not read); in
+    /// inference they are `reserve_space_1/2`. Two reductions (one in inference), then
+    /// one pass writing both outputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn second_order<T: Element>(
+        &self,
+        y_backprop: &[T],
+        x: &[T],
+        scale: &[T::Stat],
+        reserve_space_1: &[T::Stat],
+        reserve_space_2: &[T::Stat],
+        grad_x_backprop: &[T],
+        grad_scale_backprop: &[T::Stat],
+        grad_offset_backprop: &[T::Stat],
+        is_training: bool,
+        out: SecondOrderGradients<'_, T>,
+    ) -> Result<()> {
+        self.check_x("y_backprop", y_backprop.len())?;
+        self.check_x("x", x.len())?;
+        self.check_c("scale", scale.len())?;
+        self.check_c("reserve_space_1", reserve_space_1.len())?;
+        self.check_c("reserve_space_2", reserve_space_2.len())?;
+        self.check_x("grad_x_backprop", grad_x_backprop.len())?;
+        self.check_c("grad_scale_backprop", grad_scale_backprop.len())?;
+        self.check_c("grad_offset_backprop", grad_offset_backprop.len())?;
+        self.check_x("grad_y_backprop (output)", out.y_backprop.len())?;
+        self.check_x("grad_x (output)", out.x.len())?;
+        self.check_c("grad_scale (output)", out.scale.len())?;
+        let zero = T::Stat::ZERO;
+        if self.is_empty() {
+            out.scale.fill(zero);
+            return Ok(());
+        }
+        let (g, isa, c) = (self.geometry(), self.isa(), self.channels());
+        let (m, eps) = (
+            self.elements_per_channel() as f64,
+            f64::from(self.epsilon()),
+        );
+        let (mean, var): (Vec<T::Stat>, Vec<f64>) = if is_training {
+            let mo = stats::channel_moments(g, isa, x);
+            (
+                mo.iter().map(|v| T::Stat::from_f64(v.mean)).collect(),
+                mo.iter().map(|v| v.variance()).collect(),
+            )
+        } else {
+            (
+                reserve_space_1.to_vec(),
+                reserve_space_2.iter().map(|v| v.to_f64()).collect(),
+            )
+        };
+        // Shift g and A by each channel's first element in training, so that centred
+        // sums cancel exactly where they should (one element per channel).
+        let first = |v: &[T]| -> Vec<T::Stat> {
+            (0..c)
+                .map(|ch| {
+                    if is_training {
+                        v[ch * g.inner].widen()
+                    } else {
+                        T::Stat::ZERO
+                    }
+                })
+                .collect()
+        };
+        let (kg, ka) = (first(y_backprop), first(grad_x_backprop));
+        let sums = second_order::reduce(g, isa, y_backprop, x, grad_x_backprop, &mean, &kg, &ka);
+        let u = T::Stat::from_f64;
+        let mut k = SecondOrderCoeffs {
+            mean: mean.clone(),
+            ..Default::default()
+        };
+        for ch in 0..c {
+            let r = 1.0 / (var[ch] + eps).sqrt();
+            let (sc, ga, go) = (
+                scale[ch].to_f64(),
+                grad_scale_backprop[ch].to_f64(),
+                grad_offset_backprop[ch],
+            );
+            let (kg, ka) = (kg[ch].to_f64(), ka[ch].to_f64());
+            let (gbar, abar) = (kg + sums.g[ch] / m, ka + sums.a[ch] / m);
+            let g_xc = sums.g_xc[ch] + kg * sums.xc[ch]; // Σg·(x − μ)
+            let a_xc = sums.a_xc[ch] + ka * sums.xc[ch]; // ΣA·(x − μ)
+            let (c2, e2, e3, g_mean, a_mean, dscale);
+            if is_training {
+                let s2 = r * g_xc / m; // mean(g·x̂)
+                let t = r * a_xc / m; // mean(A·x̂)
+                let mk = sums.a_g[ch] - sums.a[ch] * sums.g[ch] / m; // Σ(A − Ā)(g − ḡ)
+                let kk = mk / m;
+                c2 = ga * r - sc * r * r * t;
+                e2 = -sc * r * r * s2;
+                e3 = -sc * r * r * r * (kk - 3.0 * s2 * t) - ga * r * r * s2;
+                dscale = r * (mk - r * s2 * a_xc);
+                (g_mean, a_mean) = (gbar, abar);
+            } else {
+                c2 = ga * r;
+                (e2, e3) = (0.0, 0.0);
+                dscale = r * sums.a_g[ch];
+                (g_mean, a_mean) = (0.0, 0.0);
+            }
+            k.a_mean.push(u(a_mean));
+            k.g_mean.push(u(g_mean));
+            k.c1.push(u(sc * r));
+            k.c2.push(u(c2));
+            k.b.push(go);
+            k.e2.push(u(e2));
+            k.e3.push(u(e3));
+            out.scale[ch] = u(dscale);
+        }
+        second_order::apply(
+            g,
+            isa,
+            y_backprop,
+            x,
+            grad_x_backprop,
+            &k,
+            out.y_backprop,
+            out.x,
+        );
         Ok(())
     }
 

@@ -19,7 +19,7 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
-use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats};
+use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
 use crate::problem::{check_x_shape, DataFormat, Problem, DEFAULT_EPSILON};
@@ -46,6 +46,12 @@ pub enum Op {
     /// `FusedBatchNormGradEx`: the gradient of `FusedBatchNormEx`, masked by the
     /// forward `y` for ReLU; also returns `side_input_backprop`.
     FusedBatchNormGradEx,
+    /// `FusedBatchNormGradGrad`: the gradient of `FusedBatchNormGrad` (f32).
+    FusedBatchNormGradGrad,
+    /// `FusedBatchNormGradGradV2`: the gradient of `FusedBatchNormGradV2`.
+    FusedBatchNormGradGradV2,
+    /// `FusedBatchNormGradGradV3`: the gradient of `FusedBatchNormGradV3`.
+    FusedBatchNormGradGradV3,
 }
 
 const FORWARD_INPUTS: &[&str] = &["x", "scale", "offset", "mean", "variance"];
@@ -127,10 +133,32 @@ const EX_ATTRS: &[&str] = &[
     "activation_mode",
 ];
 const GRAD_EX_ATTRS: &[&str] = &["epsilon", "data_format", "is_training", "activation_mode"];
+const GRAD_GRAD_INPUTS: &[&str] = &[
+    "y_backprop",
+    "x",
+    "scale",
+    "reserve_space_1",
+    "reserve_space_2",
+    "grad_x_backprop",
+    "grad_scale_backprop",
+    "grad_offset_backprop",
+];
+const GRAD_GRAD_V3_INPUTS: &[&str] = &[
+    "y_backprop",
+    "x",
+    "scale",
+    "reserve_space_1",
+    "reserve_space_2",
+    "reserve_space_3",
+    "grad_x_backprop",
+    "grad_scale_backprop",
+    "grad_offset_backprop",
+];
+const GRAD_GRAD_OUTPUTS: &[&str] = &["grad_y_backprop", "grad_x", "grad_scale"];
 
 impl Op {
     /// Every op, forward first.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 11] = [
         Op::FusedBatchNorm,
         Op::FusedBatchNormV2,
         Op::FusedBatchNormV3,
@@ -139,6 +167,9 @@ impl Op {
         Op::FusedBatchNormGradV3,
         Op::FusedBatchNormEx,
         Op::FusedBatchNormGradEx,
+        Op::FusedBatchNormGradGrad,
+        Op::FusedBatchNormGradGradV2,
+        Op::FusedBatchNormGradGradV3,
     ];
 
     /// TensorFlow's name of the op.
@@ -152,6 +183,9 @@ impl Op {
             Op::FusedBatchNormGradV3 => "FusedBatchNormGradV3",
             Op::FusedBatchNormEx => "FusedBatchNormEx",
             Op::FusedBatchNormGradEx => "FusedBatchNormGradEx",
+            Op::FusedBatchNormGradGrad => "FusedBatchNormGradGrad",
+            Op::FusedBatchNormGradGradV2 => "FusedBatchNormGradGradV2",
+            Op::FusedBatchNormGradGradV3 => "FusedBatchNormGradGradV3",
         }
     }
 
@@ -163,19 +197,30 @@ impl Op {
                 | Op::FusedBatchNormGradV2
                 | Op::FusedBatchNormGradV3
                 | Op::FusedBatchNormGradEx
-        )
+        ) || self.is_second_order()
     }
 
     /// 1, 2 or 3.
     pub fn version(self) -> u8 {
         match self {
-            Op::FusedBatchNorm | Op::FusedBatchNormGrad => 1,
-            Op::FusedBatchNormV2 | Op::FusedBatchNormGradV2 => 2,
+            Op::FusedBatchNorm | Op::FusedBatchNormGrad | Op::FusedBatchNormGradGrad => 1,
+            Op::FusedBatchNormV2 | Op::FusedBatchNormGradV2 | Op::FusedBatchNormGradGradV2 => 2,
             Op::FusedBatchNormV3
             | Op::FusedBatchNormGradV3
             | Op::FusedBatchNormEx
-            | Op::FusedBatchNormGradEx => 3,
+            | Op::FusedBatchNormGradEx
+            | Op::FusedBatchNormGradGradV3 => 3,
         }
+    }
+
+    /// True for the second-order ops (the gradient of the gradient).
+    pub fn is_second_order(self) -> bool {
+        matches!(
+            self,
+            Op::FusedBatchNormGradGrad
+                | Op::FusedBatchNormGradGradV2
+                | Op::FusedBatchNormGradGradV3
+        )
     }
 
     /// True for the Ex ops (side input and activation).
@@ -188,6 +233,8 @@ impl Op {
         match self {
             Op::FusedBatchNormEx => return EX_INPUTS,
             Op::FusedBatchNormGradEx => return GRAD_EX_INPUTS,
+            Op::FusedBatchNormGradGradV3 => return GRAD_GRAD_V3_INPUTS,
+            Op::FusedBatchNormGradGrad | Op::FusedBatchNormGradGradV2 => return GRAD_GRAD_INPUTS,
             _ => {}
         }
         match (self.is_gradient(), self.version()) {
@@ -201,6 +248,9 @@ impl Op {
     pub fn output_names(self) -> &'static [&'static str] {
         if self == Op::FusedBatchNormGradEx {
             return GRAD_EX_OUTPUTS;
+        }
+        if self.is_second_order() {
+            return GRAD_GRAD_OUTPUTS;
         }
         match (self.is_gradient(), self.version()) {
             (false, 3) => FORWARD_V3_OUTPUTS,
@@ -268,7 +318,9 @@ impl Op {
                 attrs.data_format.as_str(),
             ));
         }
-        if self.is_gradient() {
+        if self.is_second_order() {
+            self.run_second_order(inputs, attrs)
+        } else if self.is_gradient() {
             self.run_gradient(inputs, attrs)
         } else {
             self.run_forward(inputs, attrs)
@@ -469,6 +521,63 @@ impl Op {
         out.push(Tensor::empty(u));
         out.push(Tensor::empty(u));
         out.extend(side_grad);
+        Ok(Outputs::new(self, out))
+    }
+
+    fn run_second_order(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+        let req = |name: &str| self.required(inputs, name, "always required");
+        let (dy, x, scale) = (req("y_backprop")?, req("x")?, req("scale")?);
+        let (rs1, rs2) = (req("reserve_space_1")?, req("reserve_space_2")?);
+        let ga = req("grad_x_backprop")?;
+        let (gs, go) = (req("grad_scale_backprop")?, req("grad_offset_backprop")?);
+        // §4 rules 1-2: ranks.
+        check_x_shape("y_backprop", attrs.data_format, dy.shape())?;
+        check_x_shape("x", attrs.data_format, x.shape())?;
+        check_x_shape("grad_x_backprop", attrs.data_format, ga.shape())?;
+        for (name, t) in [
+            ("scale", scale),
+            ("reserve_space_1", rs1),
+            ("reserve_space_2", rs2),
+            ("grad_scale_backprop", gs),
+            ("grad_offset_backprop", go),
+        ] {
+            check_vector(name, t)?;
+        }
+        // Rules 3 and 5: sizes.
+        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let c = problem.channels();
+        check_same_shape("y_backprop", dy, x)?;
+        check_same_shape("grad_x_backprop", ga, x)?;
+        for (name, t) in [
+            ("scale", scale),
+            ("reserve_space_1", rs1),
+            ("reserve_space_2", rs2),
+            ("grad_scale_backprop", gs),
+            ("grad_offset_backprop", go),
+        ] {
+            check_channels(name, t, c)?;
+        }
+        // Rule 7: element types.
+        self.check_dtype("y_backprop", dy)?;
+        check_same_dtype("x", x, dy)?;
+        check_same_dtype("grad_x_backprop", ga, dy)?;
+        let u = stat_dtype(x.dtype());
+        for (name, t) in [
+            ("scale", scale),
+            ("reserve_space_1", rs1),
+            ("reserve_space_2", rs2),
+            ("grad_scale_backprop", gs),
+            ("grad_offset_backprop", go),
+        ] {
+            check_stat_dtype(name, t, u)?;
+        }
+        let args = [dy, x, scale, rs1, rs2, ga, gs, go];
+        let out = match x.dtype() {
+            DType::F16 => second_order::<f16>(&problem, args, attrs.is_training)?,
+            DType::BF16 => second_order::<bf16>(&problem, args, attrs.is_training)?,
+            DType::F32 => second_order::<f32>(&problem, args, attrs.is_training)?,
+            DType::F64 => second_order::<f64>(&problem, args, attrs.is_training)?,
+        };
         Ok(Outputs::new(self, out))
     }
 
@@ -733,6 +842,40 @@ fn gradient<T: Element>(
         out.push(Tensor::new(x.shape().to_vec(), side_grad)?);
     }
     Ok(out)
+}
+
+/// `[y_backprop, x, scale, rs1, rs2, grad_x_backprop, grad_scale_backprop,
+/// grad_offset_backprop]` → `[grad_y_backprop, grad_x, grad_scale]`.
+fn second_order<T: Element>(
+    p: &Problem,
+    args: [&Tensor; 8],
+    is_training: bool,
+) -> Result<Vec<Tensor>> {
+    let [dy, x, scale, rs1, rs2, ga, gs, go] = args;
+    let n = x.numel();
+    let (mut dg, mut dx) = (vec![T::default(); n], vec![T::default(); n]);
+    let mut dscale = vec![T::Stat::ZERO; p.channels()];
+    p.second_order(
+        typed::<T>(dy)?,
+        typed::<T>(x)?,
+        typed::<T::Stat>(scale)?,
+        typed::<T::Stat>(rs1)?,
+        typed::<T::Stat>(rs2)?,
+        typed::<T>(ga)?,
+        typed::<T::Stat>(gs)?,
+        typed::<T::Stat>(go)?,
+        is_training,
+        SecondOrderGradients {
+            y_backprop: &mut dg,
+            x: &mut dx,
+            scale: &mut dscale,
+        },
+    )?;
+    Ok(vec![
+        Tensor::new(x.shape().to_vec(), dg)?,
+        Tensor::new(x.shape().to_vec(), dx)?,
+        Tensor::vector(dscale),
+    ])
 }
 
 /// The ops' attributes, with TensorFlow's defaults; built with chained setters.

@@ -195,3 +195,98 @@ pub fn relu_mask(dy: &[f64], y: &[f64]) -> Vec<f64> {
         .map(|(&d, &v)| if v > 0.0 { d } else { 0.0 })
         .collect()
 }
+
+/// Outputs of a second-order gradient op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SecondOrder {
+    /// Gradient with respect to `y_backprop`.
+    pub grad_y_backprop: Vec<f64>,
+    /// Gradient with respect to `x`.
+    pub grad_x: Vec<f64>,
+    /// Gradient with respect to `scale`.
+    pub grad_scale: Vec<f64>,
+}
+
+/// The gradient of the gradient op (SPEC §3, second order): `g = y_backprop`, and the
+/// upstream gradients `ga` (for `x_backprop`, the shape of x), `gs` (for
+/// `scale_backprop`) and `go` (for `offset_backprop`). In training the mean and
+/// variance are recomputed from `x` (as TensorFlow does); in inference they are
+/// `rs1`/`rs2`.
+#[allow(clippy::too_many_arguments)]
+pub fn second_order(
+    format: DataFormat,
+    shape: &[usize],
+    g: &[f64],
+    x: &[f64],
+    scale: &[f64],
+    rs1: &[f64],
+    rs2: &[f64],
+    ga: &[f64],
+    gs: &[f64],
+    go: &[f64],
+    epsilon: f64,
+    is_training: bool,
+) -> SecondOrder {
+    let c = shape[format.channel_axis()];
+    let m = (x.len() / c.max(1)) as f64;
+    let ch: Vec<usize> = channels(format, shape).collect();
+    let (mu, var) = if is_training {
+        let f = forward_training(
+            format,
+            shape,
+            x,
+            &vec![1.0; c],
+            &vec![0.0; c],
+            &[],
+            &[],
+            epsilon,
+            1.0,
+        );
+        (f.reserve_space_1, f.reserve_space_2)
+    } else {
+        (rs1.to_vec(), rs2.to_vec())
+    };
+    let r: Vec<f64> = var.iter().map(|v| 1.0 / (v + epsilon).sqrt()).collect();
+    let xh: Vec<f64> = (0..x.len())
+        .map(|i| (x[i] - mu[ch[i]]) * r[ch[i]])
+        .collect();
+    let mean_of = |f: &dyn Fn(usize) -> f64| {
+        let mut s = vec![0.0; c];
+        for i in 0..x.len() {
+            s[ch[i]] += f(i);
+        }
+        s.iter().map(|v| v / m).collect::<Vec<f64>>()
+    };
+    let gbar = mean_of(&|i| g[i]);
+    let abar = mean_of(&|i| ga[i]);
+    let s2 = mean_of(&|i| g[i] * xh[i]);
+    let t = mean_of(&|i| ga[i] * xh[i]);
+    let k = mean_of(&|i| ga[i] * (g[i] - gbar[ch[i]]));
+    let mut grad_scale = vec![0.0; c];
+    let mut grad_y_backprop = vec![0.0; x.len()];
+    let mut grad_x = vec![0.0; x.len()];
+    for i in 0..x.len() {
+        let j = ch[i];
+        let (sc, rr) = (scale[j], r[j]);
+        if is_training {
+            grad_y_backprop[i] = sc * rr * (ga[i] - abar[j] - xh[i] * t[j]) + gs[j] * xh[i] + go[j];
+            grad_scale[j] += rr * ga[i] * (g[i] - gbar[j] - xh[i] * s2[j]);
+            grad_x[i] = -sc
+                * rr
+                * rr
+                * (xh[i] * (k[j] - 3.0 * s2[j] * t[j])
+                    + (g[i] - gbar[j]) * t[j]
+                    + (ga[i] - abar[j]) * s2[j])
+                + gs[j] * rr * (g[i] - gbar[j] - xh[i] * s2[j]);
+        } else {
+            grad_y_backprop[i] = sc * rr * ga[i] + gs[j] * rr * (x[i] - mu[j]) + go[j];
+            grad_scale[j] += rr * ga[i] * g[i];
+            grad_x[i] = gs[j] * rr * g[i];
+        }
+    }
+    SecondOrder {
+        grad_y_backprop,
+        grad_x,
+        grad_scale,
+    }
+}

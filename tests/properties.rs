@@ -4,7 +4,7 @@
 mod common;
 
 use common::{eps, Rng};
-use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats};
+use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
 use fusedbn::kernels::simd::Isa;
 use fusedbn::{reference, DataFormat, Element, Problem, Real};
 use half::{bf16, f16};
@@ -170,6 +170,7 @@ fn check_one<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> 
     close("y (inference)", &y, &r.y, 1e-5)?;
 
     check_ex(d, &mu, &var)?;
+    check_second_order(d, &mu, &var)?;
 
     // Gradients: training with the saved statistics, inference with the population ones.
     for training in [true, false] {
@@ -599,6 +600,112 @@ fn check_ex<T: Element>(d: &Data<T>, mu: &[T::Stat], var: &[T::Stat]) -> Result<
                 ch
             );
         }
+    }
+    Ok(())
+}
+
+/// The gradient of the gradient op, both modes, against the reference.
+fn check_second_order<T: Element>(
+    d: &Data<T>,
+    mu: &[T::Stat],
+    var: &[T::Stat],
+) -> Result<(), TestCaseError> {
+    let (p, c) = (&d.p, d.p.channels());
+    let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
+    // Upstream gradients: A has the shape of x, a and b are per channel.
+    let ga: Vec<T> = d.dy.iter().rev().copied().collect();
+    let (gs, go) = (d.offset.clone(), d.scale.clone());
+    let zero = T::Stat::ZERO;
+    for training in [true, false] {
+        let (rs1, rs2) = if training {
+            (mu, var)
+        } else {
+            (&d.mean[..], &d.variance[..])
+        };
+        let (mut dg, mut dx, mut dscale) = (
+            vec![T::default(); p.len()],
+            vec![T::default(); p.len()],
+            vec![zero; c],
+        );
+        p.second_order(
+            &d.dy,
+            &d.x,
+            &d.scale,
+            rs1,
+            rs2,
+            &ga,
+            &gs,
+            &go,
+            training,
+            SecondOrderGradients {
+                y_backprop: &mut dg,
+                x: &mut dx,
+                scale: &mut dscale,
+            },
+        )
+        .unwrap();
+        let r = reference::second_order(
+            fmt,
+            shape,
+            &f64s(&d.dy),
+            &f64s(&d.x),
+            &f64s(&d.scale),
+            &f64s(rs1),
+            &f64s(rs2),
+            &f64s(&ga),
+            &f64s(&gs),
+            &f64s(&go),
+            e,
+            training,
+        );
+        // Terms of size |A|·scale·r, |a|·|x̂|, |b| and their products with r: scale by those.
+        let var64 = if training {
+            reference::forward_training(
+                fmt,
+                shape,
+                &f64s(&d.x),
+                &vec![1.0; c],
+                &vec![0.0; c],
+                &[],
+                &[],
+                e,
+                1.0,
+            )
+            .reserve_space_2
+        } else {
+            f64s(rs2)
+        };
+        let r_max = var64.iter().fold(0f64, |m, v| m.max(1.0 / (v + e).sqrt()));
+        let big = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let (sc, a_max, gsm) = (
+            big(&f64s(&d.scale)),
+            big(&f64s(&ga)).max(big(&f64s(&d.dy))),
+            big(&f64s(&gs)).max(big(&f64s(&go))),
+        );
+        let floor = (a_max * sc * r_max + gsm * 8.0) * r_max.max(1.0) * 8.0;
+        let mode = if training { "training" } else { "inference" };
+        close_scaled(
+            &format!("grad_y_backprop ({mode})"),
+            &dg,
+            &r.grad_y_backprop,
+            1e-5,
+            floor,
+        )?;
+        close_scaled(
+            &format!("grad_x ({mode})"),
+            &dx,
+            &r.grad_x,
+            1e-5,
+            floor * r_max.max(1.0),
+        )?;
+        let m = p.elements_per_channel() as f64;
+        close_scaled(
+            &format!("grad_scale ({mode})"),
+            &dscale,
+            &r.grad_scale,
+            1e-5,
+            floor * m.sqrt(),
+        )?;
     }
     Ok(())
 }

@@ -890,3 +890,77 @@ fn ex_validation() {
         &["shape of x"],
     );
 }
+
+// ---------------------------------------------------------------- second order
+
+/// The second-order formulas (SPEC §3) against central finite differences in f64 of
+/// the first-order gradient: `L = <A, x_backprop> + <a, scale_backprop> +
+/// <b, offset_backprop>`, differentiated with respect to `y_backprop`, `x` and
+/// `scale` (in training the mean and variance are functions of x).
+#[test]
+fn second_order_formulas_match_finite_differences() {
+    use fusedbn::reference;
+    let mut rng = common::Rng::new(5);
+    for (format, shape) in [
+        (DataFormat::Nhwc, vec![2usize, 3, 2, 3]),
+        (DataFormat::Nchw, vec![2, 2, 3, 2]),
+        (DataFormat::Ncdhw, vec![1, 2, 2, 2, 3]),
+    ] {
+        let c = shape[format.channel_axis()];
+        let n: usize = shape.iter().product();
+        let mut v = |k: usize, s: f64, o: f64| -> Vec<f64> {
+            (0..k).map(|_| o + s * rng.normal()).collect()
+        };
+        let (g, x, scale) = (v(n, 1.0, 0.0), v(n, 2.0, 1.0), v(c, 0.3, 1.0));
+        let (ga, gs, go) = (v(n, 1.0, 0.0), v(c, 1.0, 0.0), v(c, 1.0, 0.0));
+        let (pm, pv) = (v(c, 1.0, 0.0), v(c, 0.2, 1.5));
+        let eps = 1e-3;
+        for training in [true, false] {
+            let loss = |g: &[f64], x: &[f64], scale: &[f64]| {
+                let (rs1, rs2) = if training {
+                    let f = reference::forward_training(
+                        format,
+                        &shape,
+                        x,
+                        &vec![1.0; c],
+                        &vec![0.0; c],
+                        &[],
+                        &[],
+                        eps,
+                        1.0,
+                    );
+                    (f.reserve_space_1, f.reserve_space_2)
+                } else {
+                    (pm.clone(), pv.clone())
+                };
+                let b = reference::backward(format, &shape, g, x, scale, &rs1, &rs2, eps, training);
+                let dot = |p: &[f64], q: &[f64]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f64>();
+                dot(&ga, &b.x_backprop) + dot(&gs, &b.scale_backprop) + dot(&go, &b.offset_backprop)
+            };
+            let r = reference::second_order(
+                format, &shape, &g, &x, &scale, &pm, &pv, &ga, &gs, &go, eps, training,
+            );
+            let h = 1e-6;
+            let fd = |which: usize, i: usize| {
+                let (mut a, mut b) = (
+                    [g.clone(), x.clone(), scale.clone()],
+                    [g.clone(), x.clone(), scale.clone()],
+                );
+                a[which][i] += h;
+                b[which][i] -= h;
+                (loss(&a[0], &a[1], &a[2]) - loss(&b[0], &b[1], &b[2])) / (2.0 * h)
+            };
+            for (which, name, analytic) in [
+                (0, "grad_y_backprop", &r.grad_y_backprop),
+                (1, "grad_x", &r.grad_x),
+                (2, "grad_scale", &r.grad_scale),
+            ] {
+                let scale_of = analytic.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                for (i, want) in analytic.iter().enumerate() {
+                    let got = fd(which, i);
+                    assert!((got - want).abs() <= 1e-5 * scale_of, "{format} training={training} {name}[{i}]: formula {want}, finite difference {got}");
+                }
+            }
+        }
+    }
+}

@@ -27,6 +27,7 @@
 pub mod apply;
 pub mod backward;
 pub mod fused;
+pub mod second_order;
 pub mod simd;
 pub mod stats;
 
