@@ -33,7 +33,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use fusedbn::batch_norm::{Gradients, RunningStats, SavedStats};
+use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
 use fusedbn::kernels::simd::Isa;
 use fusedbn::kernels::{PARALLEL_MIN, TASK};
 use fusedbn::{reference, DType, DataFormat, Element, Problem, Real};
@@ -69,9 +69,11 @@ const MAX_PAIRS_FACTOR: usize = 100;
 #[derive(Debug, Args)]
 #[command(after_help = bench_help())]
 pub struct BenchArgs {
-    /// Op to time (repeatable or comma-separated) [default: all four]
+    /// Op to time (repeatable or comma-separated; all: every op) [default: the four
+    /// plain ops: forward_training, forward_inference, backward_training,
+    /// backward_inference]
     #[arg(long = "op", value_enum, value_name = "OP", value_delimiter = ',')]
-    pub ops: Vec<BenchOp>,
+    pub ops: Vec<OpArg>,
 
     /// Data format (repeatable or comma-separated) [default: NHWC and NCHW; NDHWC and
     /// NCDHW for 5-number shapes]
@@ -146,12 +148,18 @@ fn bench_help() -> String {
          (H,W,C) = {}.\n\
          Each case runs once untimed and is checked against the f64 reference on up to 4 channels,\n\
          then op and copy alternate untimed (warm-up), then --runs timed pairs (more with\n\
-         --min-time), each an op run next to a parallel copy of the same bytes (forward: y <- x;\n\
-         backward: dx <- dy plus a summed read of x; f16/bf16 copy their own 2-byte elements).\n\
+         --min-time), each an op run next to a parallel copy of the same bytes: of the op's k input\n\
+         and j output tensors, the first j inputs are copied into the outputs and the rest are read\n\
+         (forward: y <- x; backward: dx <- dy plus a summed read of x; forward_training_ex: y <- x\n\
+         plus a read of side_input; backward_training_ex: dx <- dy, side_input_backprop <- x plus a\n\
+         read of y; second_order_*: grad_y_backprop <- y_backprop, grad_x <- x plus a read of\n\
+         grad_x_backprop; f16/bf16 copy their own 2-byte elements).\n\
          ms and copy ms are medians; op/copy is the median of the per-pair ratios op_i/copy_i,\n\
          which cancels the machine's bandwidth drift (the ratio of the medians is in --json as\n\
          ratio_of_medians), with the pair ratios' quartiles beside it. GB/s counts the bytes the op\n\
-         must move (forward: read x + write y; backward: read dy and x + write dx).\n\
+         must move, the same k + j tensors (forward: read x + write y; backward: read dy and x +\n\
+         write dx; the Ex and second-order ops: as their copies above).\n\
+         Without --op: the four plain ops; the Ex and second-order ops run when named (or --op all).\n\
          Exits with status 1 if any check fails, 2 on invalid arguments (an unknown --isa, or one\n\
          this CPU lacks).",
         shapes.join(", ")
@@ -170,14 +178,36 @@ pub enum BenchOp {
     BackwardTraining,
     /// `Problem::backward_inference`.
     BackwardInference,
+    /// `Problem::forward_training_ex` with a side input and Relu.
+    ForwardTrainingEx,
+    /// `Problem::backward_training_ex`: Relu mask from the forward y, with
+    /// side_input_backprop.
+    BackwardTrainingEx,
+    /// `Problem::second_order` in training (statistics recomputed from x).
+    SecondOrderTraining,
+    /// `Problem::second_order` in inference.
+    SecondOrderInference,
 }
 
 impl BenchOp {
+    /// What runs without `--op`.
     const DEFAULT: [BenchOp; 4] = [
         BenchOp::ForwardTraining,
         BenchOp::ForwardInference,
         BenchOp::BackwardTraining,
         BenchOp::BackwardInference,
+    ];
+
+    /// `--op all`.
+    const ALL: [BenchOp; 8] = [
+        BenchOp::ForwardTraining,
+        BenchOp::ForwardInference,
+        BenchOp::BackwardTraining,
+        BenchOp::BackwardInference,
+        BenchOp::ForwardTrainingEx,
+        BenchOp::BackwardTrainingEx,
+        BenchOp::SecondOrderTraining,
+        BenchOp::SecondOrderInference,
     ];
 
     fn name(self) -> &'static str {
@@ -186,19 +216,84 @@ impl BenchOp {
             BenchOp::ForwardInference => "forward_inference",
             BenchOp::BackwardTraining => "backward_training",
             BenchOp::BackwardInference => "backward_inference",
+            BenchOp::ForwardTrainingEx => "forward_training_ex",
+            BenchOp::BackwardTrainingEx => "backward_training_ex",
+            BenchOp::SecondOrderTraining => "second_order_training",
+            BenchOp::SecondOrderInference => "second_order_inference",
         }
     }
 
-    fn is_backward(self) -> bool {
-        matches!(self, BenchOp::BackwardTraining | BenchOp::BackwardInference)
+    fn is_second_order(self) -> bool {
+        matches!(
+            self,
+            BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference
+        )
     }
 
-    /// Tensors of x's size the op reads and writes: forward x → y, backward dy, x → dx.
+    /// Whether the op reads a `y_backprop` (every gradient op).
+    fn reads_dy(self) -> bool {
+        !matches!(
+            self,
+            BenchOp::ForwardTraining | BenchOp::ForwardInference | BenchOp::ForwardTrainingEx
+        )
+    }
+
+    /// Tensors of x's size the op reads, in the order the copy baseline takes them
+    /// (see [`Workload::inputs`]).
+    fn inputs(self) -> usize {
+        match self {
+            BenchOp::ForwardTraining | BenchOp::ForwardInference => 1, // x
+            BenchOp::BackwardTraining | BenchOp::BackwardInference => 2, // dy, x
+            BenchOp::ForwardTrainingEx => 2,                           // x, side_input
+            BenchOp::BackwardTrainingEx => 3,                          // dy, x, y
+            BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => 3, // dy, x, grad_x_backprop
+        }
+    }
+
+    /// Tensors of x's size the op writes: y, dx, or dx and side_input_backprop, or
+    /// grad_y_backprop and grad_x.
+    fn outputs(self) -> usize {
+        match self {
+            BenchOp::BackwardTrainingEx
+            | BenchOp::SecondOrderTraining
+            | BenchOp::SecondOrderInference => 2,
+            _ => 1,
+        }
+    }
+
+    /// Tensors of x's size the op reads and writes.
     fn tensors_moved(self) -> usize {
-        if self.is_backward() {
-            3
-        } else {
-            2
+        self.inputs() + self.outputs()
+    }
+}
+
+/// One `--op` value: an op, or `all`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpArg {
+    Op(BenchOp),
+    All,
+}
+
+impl ValueEnum for OpArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        const VARIANTS: [OpArg; 9] = [
+            OpArg::Op(BenchOp::ForwardTraining),
+            OpArg::Op(BenchOp::ForwardInference),
+            OpArg::Op(BenchOp::BackwardTraining),
+            OpArg::Op(BenchOp::BackwardInference),
+            OpArg::Op(BenchOp::ForwardTrainingEx),
+            OpArg::Op(BenchOp::BackwardTrainingEx),
+            OpArg::Op(BenchOp::SecondOrderTraining),
+            OpArg::Op(BenchOp::SecondOrderInference),
+            OpArg::All,
+        ];
+        &VARIANTS
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        match self {
+            OpArg::Op(op) => op.to_possible_value(),
+            OpArg::All => Some(clap::builder::PossibleValue::new("all").help("Every op above")),
         }
     }
 }
@@ -388,7 +483,15 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
     let ops: Vec<BenchOp> = if args.ops.is_empty() {
         BenchOp::DEFAULT.to_vec()
     } else {
-        dedup(&args.ops)
+        let named: Vec<BenchOp> = args
+            .ops
+            .iter()
+            .flat_map(|o| match o {
+                OpArg::Op(op) => vec![*op],
+                OpArg::All => BenchOp::ALL.to_vec(),
+            })
+            .collect();
+        dedup(&named)
     };
     let dtypes: Vec<DType> = if args.dtypes.is_empty() {
         vec![DType::F32]
@@ -636,9 +739,9 @@ fn measure<T: Element>(case: &Case, plan: Plan) -> Result<Measurement> {
     let mut pairs = 0;
     while pairs < WARMUP_PAIRS || warm.elapsed() < WARMUP_TIME {
         w.run_op()?;
-        black_box(&mut w.out);
+        black_box((&mut w.out, &mut w.out2));
         black_box(w.run_copy());
-        black_box(&mut w.out);
+        black_box((&mut w.out, &mut w.out2));
         pairs += 1;
     }
     let max_pairs = plan.runs * MAX_PAIRS_FACTOR;
@@ -651,11 +754,11 @@ fn measure<T: Element>(case: &Case, plan: Plan) -> Result<Measurement> {
             let t = Instant::now();
             if (step == 0) == op_first {
                 w.run_op()?;
-                black_box(&mut w.out);
+                black_box((&mut w.out, &mut w.out2));
                 t_op = t.elapsed();
             } else {
                 black_box(w.run_copy());
-                black_box(&mut w.out);
+                black_box((&mut w.out, &mut w.out2));
                 t_copy = t.elapsed();
             }
         }
@@ -677,19 +780,35 @@ struct Workload<T: Element> {
     op: BenchOp,
     problem: Problem,
     x: Vec<T>,
-    /// `y_backprop` (backward ops only).
+    /// `y_backprop` (gradient and second-order ops).
     dy: Vec<T>,
-    /// `y` (forward) or `x_backprop` (backward).
+    /// The third input of the Ex and second-order ops: `side_input`
+    /// (`forward_training_ex`), the forward's Relu output `y` (`backward_training_ex`)
+    /// or `grad_x_backprop` (second order); empty otherwise.
+    extra: Vec<T>,
+    /// `y` (forward), `x_backprop` (backward) or `grad_y_backprop` (second order).
     out: Vec<T>,
+    /// The second output: `side_input_backprop` (`backward_training_ex`) or `grad_x`
+    /// (second order); empty otherwise.
+    out2: Vec<T>,
     scale: Vec<T::Stat>,
     offset: Vec<T::Stat>,
-    /// Inputs: the population statistics (inference ops) or the batch statistics of x
-    /// (backward training, computed once during setup).
+    /// Inputs: the population statistics (inference ops and second order, which in
+    /// training does not read them) or the batch statistics of x (backward training,
+    /// computed once during setup).
     mean: Vec<T::Stat>,
     variance: Vec<T::Stat>,
-    /// Per-channel outputs: forward training's saved and running statistics, or the
-    /// gradients' scale_backprop and offset_backprop (in `stat_out[0..2]`).
+    /// Per-channel outputs: forward training's saved and running statistics, the
+    /// gradients' scale_backprop and offset_backprop (in `stat_out[0..2]`), or second
+    /// order's grad_scale (`stat_out[0]`). Second order's per-channel inputs
+    /// grad_scale_backprop and grad_offset_backprop are `stat_out[2..4]`.
     stat_out: [Vec<T::Stat>; 4],
+}
+
+/// Deterministic side input of the Ex forward ops (about half of `bn(x) + side` is
+/// negative, so the Relu masks about half).
+fn side_input(i: usize) -> f64 {
+    0.25 * noise(3, i)
 }
 
 impl<T: Element> Workload<T> {
@@ -701,13 +820,22 @@ impl<T: Element> Workload<T> {
             let ch = channel_of(i);
             channel_mean(ch) + channel_std(ch) * noise(1, i)
         });
-        let dy = if case.op.is_backward() {
+        let dy = if case.op.reads_dy() {
             // Correlated with x and off-centre, so that Σdy and Σdy·(x−μ) are far from 0.
             generate(problem.len(), |i| {
                 0.25 + 0.5 * noise(1, i) + 0.5 * noise(2, i)
             })
         } else {
             Vec::new()
+        };
+        let extra = match case.op {
+            BenchOp::ForwardTrainingEx => generate(problem.len(), side_input),
+            BenchOp::BackwardTrainingEx => vec![T::default(); problem.len()], // y, below
+            // grad_x_backprop: correlated with dy and x, off-centre.
+            op if op.is_second_order() => generate(problem.len(), |i| {
+                -0.125 + 0.5 * noise(4, i) + 0.25 * noise(1, i) + 0.25 * noise(2, i)
+            }),
+            _ => Vec::new(),
         };
         let stat = |f: &dyn Fn(usize) -> f64| -> Vec<T::Stat> {
             (0..c).map(|ch| T::Stat::from_f64(f(ch))).collect()
@@ -716,7 +844,9 @@ impl<T: Element> Workload<T> {
             op: case.op,
             x,
             dy,
+            extra,
             out: vec![T::default(); problem.len()],
+            out2: vec![T::default(); (case.op.outputs() - 1) * problem.len()],
             scale: stat(&|ch| 0.5 + 0.25 * (ch % 3) as f64),
             offset: stat(&|ch| 0.1 * ((ch % 4) as f64 - 1.5)),
             mean: stat(&|ch| channel_mean(ch) + 0.1),
@@ -724,14 +854,30 @@ impl<T: Element> Workload<T> {
             stat_out: std::array::from_fn(|_| vec![T::Stat::ZERO; c]),
             problem,
         };
-        if case.op == BenchOp::BackwardTraining {
-            // The gradient's reserve spaces: x's own batch statistics.
+        if matches!(
+            case.op,
+            BenchOp::BackwardTraining | BenchOp::BackwardTrainingEx
+        ) {
+            // The gradient's reserve spaces: x's own batch statistics; for the Ex
+            // gradient also the Relu output y of `forward_training_ex` (its mask).
+            let side: Vec<T> = if case.op == BenchOp::BackwardTrainingEx {
+                generate(w.problem.len(), side_input)
+            } else {
+                Vec::new()
+            };
             let [m, v, rm, rv] = &mut w.stat_out;
-            w.problem.forward_training(
+            let (side, activation, y) = if side.is_empty() {
+                (None, Activation::Identity, &mut w.out)
+            } else {
+                (Some(&side[..]), Activation::Relu, &mut w.extra)
+            };
+            w.problem.forward_training_ex(
                 &w.x,
                 &w.scale,
                 &w.offset,
-                &mut w.out,
+                side,
+                activation,
+                y,
                 SavedStats {
                     mean: m,
                     variance: v,
@@ -745,6 +891,11 @@ impl<T: Element> Workload<T> {
             w.mean.copy_from_slice(m);
             w.variance.copy_from_slice(v);
         }
+        if case.op.is_second_order() {
+            // grad_scale_backprop and grad_offset_backprop.
+            w.stat_out[2] = stat(&|ch| 0.3 - 0.2 * (ch % 3) as f64);
+            w.stat_out[3] = stat(&|ch| 0.05 * ((ch % 5) as f64 - 2.0));
+        }
         Ok(w)
     }
 
@@ -753,21 +904,43 @@ impl<T: Element> Workload<T> {
         let p = &self.problem;
         let [s0, s1, s2, s3] = &mut self.stat_out;
         match self.op {
-            BenchOp::ForwardTraining => p.forward_training(
-                &self.x,
-                &self.scale,
-                &self.offset,
-                &mut self.out,
-                SavedStats {
+            BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx => {
+                let (side, activation) = if self.op == BenchOp::ForwardTrainingEx {
+                    (Some(&self.extra[..]), Activation::Relu)
+                } else {
+                    (None, Activation::Identity)
+                };
+                let saved = SavedStats {
                     mean: s0,
                     variance: s1,
-                },
-                Some(RunningStats {
+                };
+                let running = Some(RunningStats {
                     mean: s2,
                     variance: s3,
                     factor: 1.0,
-                }),
-            ),
+                });
+                if side.is_none() {
+                    p.forward_training(
+                        &self.x,
+                        &self.scale,
+                        &self.offset,
+                        &mut self.out,
+                        saved,
+                        running,
+                    )
+                } else {
+                    p.forward_training_ex(
+                        &self.x,
+                        &self.scale,
+                        &self.offset,
+                        side,
+                        activation,
+                        &mut self.out,
+                        saved,
+                        running,
+                    )
+                }
+            }
             BenchOp::ForwardInference => p.forward_inference(
                 &self.x,
                 &self.scale,
@@ -802,40 +975,92 @@ impl<T: Element> Workload<T> {
                     )
                 }
             }
+            BenchOp::BackwardTrainingEx => p.backward_training_ex(
+                &self.dy,
+                &self.x,
+                &self.scale,
+                &self.mean,
+                &self.variance,
+                Some(&self.extra),
+                Gradients {
+                    x: &mut self.out,
+                    scale: s0,
+                    offset: s1,
+                },
+                Some(&mut self.out2),
+            ),
+            BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => p.second_order(
+                &self.dy,
+                &self.x,
+                &self.scale,
+                &self.mean,
+                &self.variance,
+                &self.extra,
+                s2,
+                s3,
+                self.op == BenchOp::SecondOrderTraining,
+                SecondOrderGradients {
+                    y_backprop: &mut self.out,
+                    x: &mut self.out2,
+                    scale: s0,
+                },
+            ),
         }
     }
 
     /// The baseline: moves the same bytes as the op with no arithmetic, on the same
-    /// thread pool and with the library's task size. Forward: `y ← x` (read x, write y).
-    /// Backward: `dx ← dy`, plus a read of x folded into a checksum (read dy and x,
-    /// write dx). Returns the checksum (0 for forward), for `black_box`.
+    /// thread pool and with the library's task size. With k input and j output tensors
+    /// (of x's size), the first j inputs are copied into the j outputs and the other
+    /// k − j are read, folded into a checksum: forward `y ← x`; backward `dx ← dy` +
+    /// read x; forward_training_ex `y ← x` + read side_input; backward_training_ex
+    /// `dx ← dy`, `side_input_backprop ← x` + read y; second order
+    /// `grad_y_backprop ← y_backprop`, `grad_x ← x` + read grad_x_backprop. Returns the
+    /// checksum (0 when nothing is only read), for `black_box`.
     fn run_copy(&mut self) -> u64 {
         let parallel = self.x.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1;
-        let src: &[T] = if self.op.is_backward() {
-            &self.dy
-        } else {
-            &self.x
+        let inputs: Vec<&[T]> = match self.op.inputs() {
+            1 => vec![&self.x],
+            2 if self.op.reads_dy() => vec![&self.dy, &self.x],
+            2 => vec![&self.x, &self.extra],
+            _ => vec![&self.dy, &self.x, &self.extra],
         };
-        let extra: &[T] = if self.op.is_backward() { &self.x } else { &[] };
-        let task = |(i, dst): (usize, &mut [T])| -> u64 {
-            let lo = i * TASK;
-            dst.copy_from_slice(&src[lo..lo + dst.len()]);
-            extra
-                .get(lo..lo + dst.len())
-                .map_or(0, |e| checksum(bytes_of(e)))
+        let (copied, read) = inputs.split_at(self.op.outputs());
+        let task = |i: usize, d0: &mut [T], d1: Option<&mut [T]>| -> u64 {
+            let r = i * TASK..i * TASK + d0.len();
+            d0.copy_from_slice(&copied[0][r.clone()]);
+            if let Some(d1) = d1 {
+                d1.copy_from_slice(&copied[1][r.clone()]);
+            }
+            read.iter()
+                .fold(0, |a, s| a.wrapping_add(checksum(bytes_of(&s[r.clone()]))))
         };
-        if parallel {
-            self.out
+        match (self.out2.is_empty(), parallel) {
+            (true, true) => self
+                .out
                 .par_chunks_mut(TASK)
                 .enumerate()
-                .map(task)
-                .reduce(|| 0, u64::wrapping_add)
-        } else {
-            self.out
+                .map(|(i, d0)| task(i, d0, None))
+                .reduce(|| 0, u64::wrapping_add),
+            (true, false) => self
+                .out
                 .chunks_mut(TASK)
                 .enumerate()
-                .map(task)
-                .fold(0, u64::wrapping_add)
+                .map(|(i, d0)| task(i, d0, None))
+                .fold(0, u64::wrapping_add),
+            (false, true) => self
+                .out
+                .par_chunks_mut(TASK)
+                .zip(self.out2.par_chunks_mut(TASK))
+                .enumerate()
+                .map(|(i, (d0, d1))| task(i, d0, Some(d1)))
+                .reduce(|| 0, u64::wrapping_add),
+            (false, false) => self
+                .out
+                .chunks_mut(TASK)
+                .zip(self.out2.chunks_mut(TASK))
+                .enumerate()
+                .map(|(i, (d0, d1))| task(i, d0, Some(d1)))
+                .fold(0, u64::wrapping_add),
         }
     }
 
@@ -850,12 +1075,13 @@ impl<T: Element> Workload<T> {
         for c in sample_channels(p.channels()) {
             let pos = channel_positions(p, c);
             let shape = [1, 1, pos.len(), 1];
-            let xc: Vec<f64> = pos.iter().map(|&i| wide(self.x[i])).collect();
-            let out: Vec<f64> = pos.iter().map(|&i| wide(self.out[i])).collect();
+            let gather = |v: &[T]| -> Vec<f64> { pos.iter().map(|&i| wide(v[i])).collect() };
+            let xc = gather(&self.x);
+            let out = gather(&self.out);
             let nhwc = DataFormat::Nhwc;
             let [s0, s1, s2, s3] = &self.stat_out;
             let checks: Vec<(&str, Vec<f64>, Vec<f64>)> = match self.op {
-                BenchOp::ForwardTraining => {
+                BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx => {
                     let r = reference::forward_training(
                         nhwc,
                         &shape,
@@ -867,8 +1093,13 @@ impl<T: Element> Workload<T> {
                         eps,
                         1.0,
                     );
+                    let y = if self.op == BenchOp::ForwardTrainingEx {
+                        reference::epilogue(&r.y, Some(&gather(&self.extra)), true)
+                    } else {
+                        r.y
+                    };
                     vec![
-                        ("y", out, r.y),
+                        ("y", out, y),
                         (
                             "reserve_space_1 (batch mean)",
                             st(s0, c).to_vec(),
@@ -896,8 +1127,14 @@ impl<T: Element> Workload<T> {
                     );
                     vec![("y", out, r.y)]
                 }
-                BenchOp::BackwardTraining | BenchOp::BackwardInference => {
-                    let dyc: Vec<f64> = pos.iter().map(|&i| wide(self.dy[i])).collect();
+                BenchOp::BackwardTraining
+                | BenchOp::BackwardInference
+                | BenchOp::BackwardTrainingEx => {
+                    let mut dyc = gather(&self.dy);
+                    if self.op == BenchOp::BackwardTrainingEx {
+                        // Masked with the forward's own (rounded) output.
+                        dyc = reference::relu_mask(&dyc, &gather(&self.extra));
+                    }
                     let r = reference::backward(
                         nhwc,
                         &shape,
@@ -907,12 +1144,37 @@ impl<T: Element> Workload<T> {
                         &st(&self.mean, c),
                         &st(&self.variance, c),
                         eps,
-                        self.op == BenchOp::BackwardTraining,
+                        self.op != BenchOp::BackwardInference,
                     );
-                    vec![
+                    let mut checks = vec![
                         ("x_backprop", out, r.x_backprop),
                         ("scale_backprop", st(s0, c).to_vec(), r.scale_backprop),
                         ("offset_backprop", st(s1, c).to_vec(), r.offset_backprop),
+                    ];
+                    if self.op == BenchOp::BackwardTrainingEx {
+                        checks.push(("side_input_backprop", gather(&self.out2), dyc));
+                    }
+                    checks
+                }
+                BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => {
+                    let r = reference::second_order(
+                        nhwc,
+                        &shape,
+                        &gather(&self.dy),
+                        &xc,
+                        &st(&self.scale, c),
+                        &st(&self.mean, c),
+                        &st(&self.variance, c),
+                        &gather(&self.extra),
+                        &st(s2, c),
+                        &st(s3, c),
+                        eps,
+                        self.op == BenchOp::SecondOrderTraining,
+                    );
+                    vec![
+                        ("grad_y_backprop", out, r.grad_y_backprop),
+                        ("grad_x", gather(&self.out2), r.grad_x),
+                        ("grad_scale", st(s0, c).to_vec(), r.grad_scale),
                     ]
                 }
             };
@@ -1037,8 +1299,11 @@ impl Report {
         }
         println!(
             "fusedbn bench: at least {} timed op/copy pairs per case (and {} s of timing); copy = \
-             the same bytes moved with no arithmetic, on the same threads (forward: y <- x; \
-             backward: dx <- dy + read of x)",
+             the same bytes moved with no arithmetic, on the same threads: of k input and j output \
+             tensors, the first j inputs copied into the outputs and the rest read (forward: y <- x; \
+             backward: dx <- dy + read x; forward_training_ex: y <- x + read side_input; \
+             backward_training_ex: dx <- dy, side_input_backprop <- x + read y; second order: \
+             grad_y_backprop <- y_backprop, grad_x <- x + read grad_x_backprop)",
             plan.runs,
             plan.min_time.as_secs_f64()
         );
@@ -1047,7 +1312,7 @@ impl Report {
              bandwidth drift), then the pair ratios' quartiles"
         );
         println!(
-            "{:<18}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9}  {:>7}  {:>9}  {:>7}  {:>11}  check",
+            "{:<22}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9}  {:>7}  {:>9}  {:>7}  {:>11}  check",
             "op",
             "format",
             "dtype",
@@ -1098,7 +1363,7 @@ impl Report {
         let mut s = String::new();
         let _ = write!(
             s,
-            "{:<18}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9.3}  {:>7.2}  {:>9.3}  {:>7.2}  {:>11}  {check}",
+            "{:<22}  {:<6}  {:<5}  {:<6}  {:>3}  {:<w$}  {:>9.3}  {:>7.2}  {:>9.3}  {:>7.2}  {:>11}  {check}",
             case.op.name(),
             case.format.as_str(),
             case.dtype.to_string(),
@@ -1335,6 +1600,28 @@ mod tests {
         let all = cases(&args, &[Isa::Avx2, Isa::Scalar], 1).unwrap();
         let f64s = all.iter().filter(|c| c.dtype == DType::F64).count();
         assert_eq!((all.len() - f64s, f64s), (2 * 4 * 2, 2 * 4));
+        // `all` is every op once, whatever else is named.
+        let args = Cli::parse_from([
+            "x",
+            "--shape",
+            "2,3,4,5",
+            "--format",
+            "nhwc",
+            "--op",
+            "second_order_training",
+            "--op",
+            "all,forward_training",
+        ])
+        .bench;
+        let ops: Vec<BenchOp> = cases(&args, &[Isa::Scalar], 1)
+            .unwrap()
+            .iter()
+            .map(|c| c.op)
+            .collect();
+        assert_eq!(ops.len(), BenchOp::ALL.len());
+        assert_eq!(ops[0], BenchOp::SecondOrderTraining);
+        assert!(BenchOp::ALL.iter().all(|op| ops.contains(op)));
+        assert!(Cli::try_parse_from(["x", "--op", "second_order"]).is_err());
     }
 
     #[test]
@@ -1354,8 +1641,64 @@ mod tests {
     }
 
     #[test]
+    fn the_copy_baseline_of_the_ex_and_second_order_ops() {
+        // k inputs, j outputs: the first j inputs are copied, the rest read.
+        for (op, parallel) in [
+            (BenchOp::ForwardTrainingEx, true),
+            (BenchOp::BackwardTrainingEx, true),
+            (BenchOp::SecondOrderTraining, true),
+            (BenchOp::SecondOrderInference, false),
+        ] {
+            let shape = if parallel {
+                vec![1, 300, 300, 3]
+            } else {
+                vec![1, 5, 5, 3]
+            };
+            let c = case(op, DataFormat::Nhwc, shape, DType::F32);
+            let mut w = Workload::<f32>::new(&c).unwrap();
+            assert_eq!(w.x.len() >= PARALLEL_MIN, parallel);
+            let sum = w.run_copy();
+            match op {
+                BenchOp::ForwardTrainingEx => {
+                    assert_eq!(w.out, w.x);
+                    assert!(w.out2.is_empty());
+                }
+                _ => {
+                    assert_eq!(w.out, w.dy, "{op:?}");
+                    assert_eq!(w.out2, w.x, "{op:?}");
+                }
+            }
+            assert_eq!(sum, checksum(bytes_of(&w.extra)), "{op:?}");
+            w.run_op().unwrap();
+            assert_eq!(w.check(), Ok(()), "{op:?}");
+        }
+    }
+
+    #[test]
+    fn the_ex_gradient_is_masked() {
+        let c = case(
+            BenchOp::BackwardTrainingEx,
+            DataFormat::Nchw,
+            vec![2, 3, 8, 8],
+            DType::F32,
+        );
+        let mut w = Workload::<f32>::new(&c).unwrap();
+        w.run_op().unwrap();
+        // The Relu output masks a good share of dy, and side_input_backprop is dy masked.
+        let zeros = w.extra.iter().filter(|&&v| v == 0.0).count();
+        assert!(
+            zeros > w.x.len() / 5 && zeros < w.x.len() * 4 / 5,
+            "{zeros}"
+        );
+        for ((&g, &dy), &y) in w.out2.iter().zip(&w.dy).zip(&w.extra) {
+            assert_eq!(g, if y > 0.0 { dy } else { 0.0 });
+        }
+        assert_eq!(w.check(), Ok(()));
+    }
+
+    #[test]
     fn half_precision_copies_its_own_bytes() {
-        for op in BenchOp::DEFAULT {
+        for op in BenchOp::ALL {
             let c = case(op, DataFormat::Nchw, vec![2, 3, 40, 40], DType::BF16);
             let m = measure::<fusedbn::bf16>(
                 &c,
@@ -1371,6 +1714,7 @@ mod tests {
             assert_eq!(m.check, Ok(()), "{op:?}");
             let w = Workload::<fusedbn::bf16>::new(&c).unwrap();
             assert_eq!(std::mem::size_of_val(&w.out[..]), 2 * 3 * 40 * 40 * 2);
+            assert_eq!(w.out2.len(), (op.outputs() - 1) * 3 * 40 * 40 * 2);
         }
     }
 

@@ -520,6 +520,88 @@ fn bench_json_lines() {
     }
 }
 
+#[test]
+fn bench_ex_and_second_order_ops() {
+    let o = fusedbn(&[
+        "bench",
+        "--quick",
+        "--runs",
+        "1",
+        "--shape",
+        "2,5,5,3",
+        "--op",
+        "forward_training_ex",
+        "--op",
+        "backward_training_ex",
+        "--op",
+        "second_order_training",
+        "--json",
+    ]);
+    let stdout = text(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", text(&o.stderr));
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    // Three ops in NHWC and NCHW.
+    assert_eq!(lines.len(), 3 * 2, "{stdout}");
+    for j in &lines {
+        for key in [
+            "op",
+            "format",
+            "dtype",
+            "shape",
+            "threads",
+            "isa",
+            "pairs",
+            "bytes",
+            "median_ms",
+            "gbps",
+            "copy_ms",
+            "copy_gbps",
+            "copy_ratio",
+            "copy_ratio_p25",
+            "copy_ratio_p75",
+            "ratio_of_medians",
+            "check",
+        ] {
+            assert!(j.get(key).is_some(), "{key} missing from {j}");
+        }
+        assert_eq!(j["check"], "ok", "{j}");
+        // Bytes moved: forward_training_ex reads x and side_input and writes y; the
+        // other two read 3 tensors and write 2.
+        let tensors = if j["op"] == "forward_training_ex" {
+            3
+        } else {
+            5
+        };
+        assert_eq!(j["bytes"], tensors * 2 * 5 * 5 * 3 * 4, "{j}");
+    }
+    for op in [
+        "forward_training_ex",
+        "backward_training_ex",
+        "second_order_training",
+    ] {
+        assert_eq!(lines.iter().filter(|j| j["op"] == op).count(), 2, "{op}");
+    }
+    // `--op all`: every op, and the default stays the four plain ones.
+    let mut args = BENCH_SMALL.to_vec();
+    args.extend(["--op", "all", "--json"]);
+    let o = fusedbn(&args);
+    let stdout = text(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", text(&o.stderr));
+    let ops: BTreeSet<String> = stdout
+        .lines()
+        .map(|l| {
+            let j: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            assert_eq!(j["check"], "ok", "{j}");
+            j["op"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(ops.len(), 8, "{ops:?}");
+    assert!(ops.contains("second_order_inference"), "{ops:?}");
+}
+
 /// `--json` lines of a small bench run with these extra arguments (status 0 asserted).
 fn bench_json(extra: &[&str]) -> Vec<serde_json::Value> {
     let mut args = BENCH_SMALL.to_vec();
