@@ -2,7 +2,7 @@
 //!
 //! - [`forward_training`]: statistics, then `y` (with the Ex epilogue: residual add
 //!   and ReLU in the same pass). Channel-major with a channel slice that fits in L2
-//!   ([`RESIDENT_BYTES`](super::RESIDENT_BYTES)): each task reduces one channel and
+//!   ([`RESIDENT_BYTES`]): each task reduces one channel and
 //!   transforms it while it is hot — one DRAM read of x, one write of y. Otherwise two
 //!   passes (x is read twice).
 //! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
