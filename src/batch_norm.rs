@@ -485,8 +485,8 @@ impl Problem {
                 let k: Vec<_> = (0..self.channels())
                     .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
                     .collect();
-                let col = |i: usize| k.iter().map(|t| t[i]).collect::<Vec<_>>();
-                backward::apply(g, isa, dy, mask, x, &col(0), rs1, &col(1), &col(2), grads.x);
+                let [dm, k1, k2] = fused::columns(&k);
+                backward::apply(g, isa, dy, mask, x, &dm, rs1, &k1, &k2, grads.x);
                 sums
             }
             (false, side_grad) => {

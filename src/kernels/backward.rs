@@ -6,7 +6,7 @@
 //! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::apply::{elementwise, head_len, VectorFn};
-use super::simd::{Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_len, Dispatch, Isa, Kernel, Simd};
 use super::{
     channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
     ChannelMajorSplit, ChannelTask, Geometry,
@@ -216,22 +216,6 @@ pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         i += len;
     }
     (a, b)
-}
-
-/// `len` elements of `v` from `at`: a full vector, or a partial one when `len < LANES`.
-/// (A function, not a closure: closures lose the kernel's target features.)
-#[inline(always)]
-fn load_len<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    v: &[T],
-    at: usize,
-    len: usize,
-) -> S::V {
-    if len == S::LANES {
-        s.load(&v[at..])
-    } else {
-        s.load_partial(&v[at..at + len])
-    }
 }
 
 /// Backward sums over whole pixels, by tiles flushed to `f64`; with `dx`, also writes

@@ -420,6 +420,6 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
 }
 
 /// Splits per-channel triples into three per-channel vectors.
-fn columns<U: Real>(k: &[[U; 3]]) -> [Vec<U>; 3] {
+pub(crate) fn columns<U: Real>(k: &[[U; 3]]) -> [Vec<U>; 3] {
     std::array::from_fn(|i| k.iter().map(|t| t[i]).collect())
 }

@@ -13,7 +13,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_len, splat_n, store_len, Dispatch, Isa, Kernel, Simd};
 use super::{
     channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
     ChannelMajorSplit, ChannelTask, Geometry, TASK,
@@ -61,21 +61,6 @@ fn accumulate<U: Real, S: Simd<U>>(
     acc[3] = s.mul_add(a, xc, acc[3]);
     acc[4] = s.mul_add(a, g, acc[4]);
     acc[5] = s.add(acc[5], xc);
-}
-
-/// `len` elements of `v` from `at` (partial when shorter than a vector).
-#[inline(always)]
-fn load_len<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    v: &[T],
-    at: usize,
-    len: usize,
-) -> S::V {
-    if len == S::LANES {
-        s.load(&v[at..])
-    } else {
-        s.load_partial(&v[at..at + len])
-    }
 }
 
 /// The six sums per channel of `g`, `x`, `a` (all of geometry `geo`), around `mean`
@@ -414,20 +399,5 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                 }
             }
         }
-    }
-}
-
-#[inline(always)]
-fn store_len<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    out: &mut [T],
-    at: usize,
-    len: usize,
-    v: S::V,
-) {
-    if len == S::LANES {
-        s.store(&mut out[at..], v)
-    } else {
-        s.store_partial(&mut out[at..at + len], v)
     }
 }

@@ -262,6 +262,38 @@ pub(crate) fn load_partial_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N:
     out
 }
 
+/// `len` elements of `v` from `at`: a full vector when `len == LANES`, else partial.
+#[inline(always)]
+pub(crate) fn load_len<U, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    v: &[T],
+    at: usize,
+    len: usize,
+) -> S::V {
+    if len == S::LANES {
+        s.load(&v[at..])
+    } else {
+        s.load_partial(&v[at..at + len])
+    }
+}
+
+/// Stores the first `len` lanes of `v` at `out[at..]`: a full store when
+/// `len == LANES`, else partial.
+#[inline(always)]
+pub(crate) fn store_len<U, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    out: &mut [T],
+    at: usize,
+    len: usize,
+    v: S::V,
+) {
+    if len == S::LANES {
+        s.store(&mut out[at..], v)
+    } else {
+        s.store_partial(&mut out[at..at + len], v)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
