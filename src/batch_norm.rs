@@ -489,13 +489,19 @@ impl Problem {
                 backward::apply(g, isa, dy, mask, x, &dm, rs1, &k1, &k2, grads.x);
                 sums
             }
-            (false, side_grad) => {
-                // dx = dy·scale·r
+            (false, None) => {
+                // dx = dy·scale·r, with the sums, in one pass.
                 let k1 = self.scale_rsqrt(scale, rs2);
-                if let Some(sg) = side_grad {
-                    fused::backward_inference(g, isa, dy, mask, x, rs1, &ones, sg);
-                }
                 fused::backward_inference(g, isa, dy, mask, x, rs1, &k1, grads.x)
+            }
+            (false, Some(sg)) => {
+                // The sums and the (masked) dy in one pass, then dx = sg·scale·r from
+                // that output alone (not dy, y and x again).
+                let k1 = self.scale_rsqrt(scale, rs2);
+                let sums = fused::backward_inference(g, isa, dy, mask, x, rs1, &ones, sg);
+                let zero = vec![T::Stat::ZERO; self.channels()];
+                apply::affine(g, isa, sg, &zero, &k1, &zero, Epilogue::default(), grads.x);
+                sums
             }
         };
         for c in 0..self.channels() {
