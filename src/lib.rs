@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 pub mod batch_norm;
+pub mod driver;
 pub mod element;
 pub mod error;
 pub mod kernels;

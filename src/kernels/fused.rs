@@ -400,14 +400,24 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
             let (mut sdy, mut sdx) = (0f64, 0f64);
             for (j, dx) in rows.into_iter().enumerate() {
                 let off = ((t.o0 + j) * g.channels + c) * g.inner;
-                let (d, x) = (&self.dy[off..][..g.inner], &self.x[off..][..g.inner]);
-                let mk = self.mask.map(|y| &y[off..][..g.inner]);
-                acc = row_sums(s, d, mk, x, m, Some((dx, self.stream)), k1, acc);
-                pending += g.inner;
-                if pending >= TILE {
-                    sdy += s.sum_f64(acc.0);
-                    sdx += s.sum_f64(acc.1);
-                    (acc, pending) = ((zero, zero), 0);
+                // A row may be far longer than a tile (one image of 2048×2048): cut it
+                // where the running count reaches TILE, so no f32 lane ever sums more
+                // than TILE / LANES values, whatever the shape.
+                let mut dx = dx;
+                let mut at = 0;
+                while at < g.inner {
+                    let len = (TILE - pending).min(g.inner - at);
+                    let (d, x) = (&self.dy[off + at..][..len], &self.x[off + at..][..len]);
+                    let mk = self.mask.map(|y| &y[off + at..][..len]);
+                    let (out, rest) = std::mem::take(&mut dx).split_at_mut(len);
+                    acc = row_sums(s, d, mk, x, m, Some((out, self.stream)), k1, acc);
+                    dx = rest;
+                    (at, pending) = (at + len, pending + len);
+                    if pending >= TILE {
+                        sdy += s.sum_f64(acc.0);
+                        sdx += s.sum_f64(acc.1);
+                        (acc, pending) = ((zero, zero), 0);
+                    }
                 }
             }
             out.push((sdy + s.sum_f64(acc.0), sdx + s.sum_f64(acc.1)));

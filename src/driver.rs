@@ -1,0 +1,973 @@
+//! The driver: one description of a problem that the benchmark, the tests and
+//! `fusedbn run --check` all speak, in the manner of oneDNN's benchdnn.
+//!
+//! - [`Case`]: an op, its attributes, the shape of `x` (given in logical
+//!   `N, spatial…, C` order), the element type and how to fill the inputs;
+//!   [`Case::inputs`] makes them (deterministic, in parallel), [`Case::run`] runs the
+//!   op, [`Case::bytes`] says how many bytes the op must move at least.
+//! - [`reference`]: every output of any op in `f64`, from the op's named inputs, by the
+//!   plain loops of [`crate::reference`] — for all channels or a sample of them (each
+//!   channel's results depend only on that channel's data, so a sampled channel is
+//!   checked exactly as in the whole tensor).
+//! - [`check`]: the one tolerance policy (below), output by output.
+//!
+//! # Tolerance
+//!
+//! An output value `got` passes against the reference `want` when
+//!
+//! `|got − want| ≤ rel · scale + 2 · eps(T) · |want|`
+//!
+//! where `T` is the output's element type (one rounding of T may separate the two),
+//! `rel` is `1e-4` when the statistics are `f32` (SPEC §7) and `1e-8` for `f64`, and
+//! `scale` is the size of the terms the result is computed from, per output: the
+//! largest `|want|`, or larger where the result is a difference of larger terms — the
+//! data's standard deviation for a mean, `Σ|dy|` for `Σdy`, `|k1|·max|dy| + |k2|·max|x−μ|`
+//! for `dx = (dy − dȳ)·k1 + (x − μ)·k2`. A sum kept too long in `f32` misses this by
+//! orders of magnitude; correct rounding never comes near it. NaN must meet NaN.
+//!
+//! ```
+//! use fusedbn::driver::{check, reference, Case, Fill};
+//! use fusedbn::{ops::Op, DType, DataFormat};
+//! let case = Case::new(Op::FusedBatchNormGradV3, DataFormat::Nchw, &[2, 5, 7, 3], DType::BF16)?
+//!     .training(false)
+//!     .fill(Fill::Constant { dy: 0.1 });
+//! let inputs = case.inputs()?;
+//! let outputs = case.run(&inputs)?;
+//! let want = reference(case.op, &case.named(&inputs), &case.attrs, None)?;
+//! let report = check(&want, &outputs)?;
+//! assert!(report.worst() <= 1.0);
+//! # Ok::<(), fusedbn::Error>(())
+//! ```
+
+use std::fmt;
+
+use rayon::prelude::*;
+
+use crate::batch_norm::Activation;
+use crate::element::{Element, Real};
+use crate::error::{Error, Result};
+use crate::kernels::Geometry;
+use crate::ops::{Attrs, Inputs, Op, Outputs};
+use crate::problem::{DataFormat, Problem};
+use crate::reference as refr;
+use crate::tensor::{DType, Tensor, TensorData};
+use half::{bf16, f16};
+
+/// How [`Case::inputs`] fills the tensors.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fill {
+    /// `x` normal around `mean` (plus a little per channel) with standard deviation
+    /// `std`; the gradients standard normal plus a small offset.
+    Random {
+        /// Centre of `x`.
+        mean: f64,
+        /// Spread of `x`.
+        std: f64,
+    },
+    /// `x` as in `Random { mean: 0, std: 1 }`; `y_backprop` (and the second-order
+    /// upstream gradient) the constant `dy` everywhere — the case where a long `f32` sum
+    /// drifts furthest.
+    Constant {
+        /// The value of every gradient element.
+        dy: f64,
+    },
+}
+
+impl Default for Fill {
+    fn default() -> Self {
+        Fill::Random {
+            mean: 0.5,
+            std: 1.5,
+        }
+    }
+}
+
+/// One op on one problem. Shapes are given in logical order `[N, spatial…, C]`
+/// (the order `fusedbn bench --shape` takes) and laid out in the format's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    /// The op.
+    pub op: Op,
+    /// Its attributes (the data format among them).
+    pub attrs: Attrs,
+    /// The shape of `x` in the format's own axis order.
+    pub shape: Vec<usize>,
+    /// The element type of `x`.
+    pub dtype: DType,
+    /// How the inputs are filled.
+    pub fill: Fill,
+    /// For the Ex forward op: give a `side_input`.
+    pub side_input: bool,
+    /// Seed of the input generator.
+    pub seed: u64,
+}
+
+/// `[N, spatial…, C]` laid out in `format`'s axis order.
+pub fn layout(format: DataFormat, logical: &[usize]) -> Result<Vec<usize>> {
+    if logical.len() != format.rank() {
+        return Err(Error::arg(
+            "shape",
+            format!(
+                "{} dimensions N,{}C for {format}",
+                format.rank(),
+                if format.rank() == 5 { "D,H,W," } else { "H,W," }
+            ),
+            format!("{logical:?}"),
+        ));
+    }
+    let (n, rest) = logical.split_at(1);
+    let (spatial, c) = rest.split_at(rest.len() - 1);
+    Ok(if format.is_channels_last() {
+        logical.to_vec()
+    } else {
+        [n, c, spatial].concat()
+    })
+}
+
+impl Case {
+    /// A case with TensorFlow's default attributes in `format`, x of logical shape
+    /// `[N, spatial…, C]`, the default fill and an Identity activation.
+    pub fn new(op: Op, format: DataFormat, logical: &[usize], dtype: DType) -> Result<Self> {
+        let shape = layout(format, logical)?;
+        Problem::new(format, &shape)?;
+        Ok(Case {
+            op,
+            attrs: Attrs::new().data_format(format),
+            shape,
+            dtype,
+            fill: Fill::default(),
+            side_input: false,
+            seed: 1,
+        })
+    }
+
+    /// Sets `is_training`.
+    pub fn training(mut self, t: bool) -> Self {
+        self.attrs.is_training = t;
+        self
+    }
+
+    /// Sets the fill.
+    pub fn fill(mut self, f: Fill) -> Self {
+        self.fill = f;
+        self
+    }
+
+    /// Ex ops: a side input (forward) and a ReLU (both directions).
+    pub fn ex(mut self, side_input: bool, relu: bool) -> Self {
+        self.side_input = side_input;
+        self.attrs.activation_mode = if relu {
+            Activation::Relu
+        } else {
+            Activation::Identity
+        };
+        self
+    }
+
+    /// Sets `exponential_avg_factor`.
+    pub fn factor(mut self, f: f32) -> Self {
+        self.attrs.exponential_avg_factor = f;
+        self
+    }
+
+    /// Sets the seed.
+    pub fn seed(mut self, s: u64) -> Self {
+        self.seed = s;
+        self
+    }
+
+    /// The problem (format, shape, epsilon).
+    pub fn problem(&self) -> Result<Problem> {
+        Ok(Problem::new(self.attrs.data_format, &self.shape)?.with_epsilon(self.attrs.epsilon))
+    }
+
+    /// The least number of bytes the op must move: each full-size input read once and
+    /// each full-size output written once (what a copy of the same bytes moves).
+    pub fn bytes(&self) -> usize {
+        let (reads, writes) = self.full_size_io();
+        (reads + writes) * self.elements() * self.dtype.size()
+    }
+
+    /// Full-size tensors read and written: `(reads, writes)`.
+    pub fn full_size_io(&self) -> (usize, usize) {
+        let relu = self.attrs.activation_mode == Activation::Relu && self.op.is_ex();
+        if self.op.is_second_order() {
+            (3, 2)
+        } else if self.op.is_gradient() {
+            let side = usize::from(self.op.is_ex());
+            (2 + usize::from(relu), 1 + side)
+        } else {
+            (1 + usize::from(self.side_input && self.op.is_ex()), 1)
+        }
+    }
+
+    /// Elements of `x`.
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The op's inputs, named as TensorFlow names them, made deterministically from the
+    /// fill and the seed. Statistics that a gradient takes are the fill's nominal
+    /// per-channel mean and variance.
+    pub fn inputs(&self) -> Result<Vec<(&'static str, Tensor)>> {
+        let p = self.problem()?;
+        let g = *p.geometry();
+        let c = p.channels();
+        let u = if self.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let (mean, std) = match self.fill {
+            Fill::Random { mean, std } => (mean, std),
+            Fill::Constant { .. } => (0.0, 1.0),
+        };
+        let centre = |ch: usize| mean + std * 0.25 * ((ch % 5) as f64 - 2.0);
+        let spread = |ch: usize| std * (1.0 + 0.125 * (ch % 3) as f64);
+        let constant = match self.fill {
+            Fill::Constant { dy } => Some(dy),
+            Fill::Random { .. } => None,
+        };
+        let seed = self.seed;
+        let full = |stream: u64, f: &(dyn Fn(usize, f64) -> f64 + Sync)| -> Result<Tensor> {
+            let at = |i| f(channel_of(&g, i), normal(seed, stream, i));
+            generate(self.dtype, self.shape.clone(), g.len(), &at)
+        };
+        let vector = |f: &(dyn Fn(usize) -> f64 + Sync)| generate(u, vec![c], c, f);
+        let gradient = |ch: usize, z: f64| constant.unwrap_or(0.1 + 0.9 * z + 0.05 * ch as f64);
+        let mut out = Vec::new();
+        for &name in self.op.input_names() {
+            let t = match name {
+                "x" => full(1, &|ch, z| centre(ch) + spread(ch) * z)?,
+                "y_backprop" => full(2, &gradient)?,
+                "grad_x_backprop" => full(3, &gradient)?,
+                "side_input" if self.side_input => full(4, &|_, z| 0.5 * z)?,
+                "side_input" => continue,
+                // The forward output of a ReLU: about 60 % positive (the gradient's mask).
+                "y" => full(5, &|_, z| 0.25 + z)?,
+                "scale" => vector(&|ch| 0.5 + 0.125 * (ch % 7) as f64)?,
+                "offset" => vector(&|ch| 0.1 * (ch % 5) as f64 - 0.2)?,
+                "mean" | "reserve_space_1" => vector(&centre)?,
+                "variance" | "reserve_space_2" => vector(&|ch| spread(ch) * spread(ch))?,
+                "reserve_space_3" => Tensor::empty(u),
+                "grad_scale_backprop" => vector(&|ch| 0.3 - 0.1 * (ch % 4) as f64)?,
+                "grad_offset_backprop" => vector(&|ch| 0.2 * (ch % 3) as f64 - 0.1)?,
+                other => {
+                    return Err(Error::arg(
+                        "input",
+                        "an input name the driver knows",
+                        other.to_string(),
+                    ))
+                }
+            };
+            out.push((name, t));
+        }
+        Ok(out)
+    }
+
+    /// The inputs as the op layer takes them.
+    pub fn named<'a>(&self, inputs: &'a [(&'static str, Tensor)]) -> Inputs<'a> {
+        let mut named = Inputs::new();
+        for (n, t) in inputs {
+            named.insert(n, t);
+        }
+        named
+    }
+
+    /// Runs the op on `inputs` (from [`Case::inputs`]).
+    pub fn run(&self, inputs: &[(&'static str, Tensor)]) -> Result<Outputs> {
+        self.op.run(&self.named(inputs), &self.attrs)
+    }
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} {:?} {} {}",
+            self.op,
+            self.attrs.data_format,
+            self.shape,
+            self.dtype,
+            if self.attrs.is_training {
+                "training"
+            } else {
+                "inference"
+            }
+        )?;
+        if self.op.is_ex() {
+            write!(
+                f,
+                " side={} act={}",
+                self.side_input,
+                self.attrs.activation_mode.as_str()
+            )?;
+        }
+        write!(f, " {:?}", self.fill)
+    }
+}
+
+/// Channel of element `i` of a tensor of geometry `g`.
+fn channel_of(g: &Geometry, i: usize) -> usize {
+    if g.channels <= 1 {
+        0
+    } else {
+        (i / g.inner) % g.channels
+    }
+}
+
+/// A deterministic, roughly standard normal value for element `i` of stream `stream`:
+/// the sum of four 16-bit uniforms from one splitmix64 hash (Irwin–Hall, mean 0,
+/// variance 1, within ±3.47), independent of evaluation order and cheap enough for
+/// tensors of 10^8 elements.
+fn normal(seed: u64, stream: u64, i: usize) -> f64 {
+    let mut z = (i as u64) ^ seed.rotate_left(32) ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let sum = (z & 0xFFFF) + ((z >> 16) & 0xFFFF) + ((z >> 32) & 0xFFFF) + (z >> 48);
+    (sum as f64 / 65536.0 - 2.0) * 3f64.sqrt()
+}
+
+/// A tensor of `dtype` from `f(i)` (rounded to nearest even), made in parallel.
+fn generate(
+    dtype: DType,
+    shape: Vec<usize>,
+    n: usize,
+    f: &(dyn Fn(usize) -> f64 + Sync),
+) -> Result<Tensor> {
+    fn go<T: Element>(n: usize, f: &(dyn Fn(usize) -> f64 + Sync)) -> Vec<T> {
+        (0..n)
+            .into_par_iter()
+            .map(|i| T::narrow(T::Stat::from_f64(f(i))))
+            .collect()
+    }
+    let data = match dtype {
+        DType::F16 => TensorData::F16(go(n, f)),
+        DType::BF16 => TensorData::BF16(go(n, f)),
+        DType::F32 => TensorData::F32(go(n, f)),
+        DType::F64 => TensorData::F64(go(n, f)),
+    };
+    Tensor::from_data(shape, data)
+}
+
+/// Where an output's expected values sit.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    /// The shape of `x`: the elements of the checked channels, channel by channel, each
+    /// in storage order.
+    Elementwise,
+    /// One value per checked channel.
+    PerChannel,
+    /// TensorFlow's empty placeholder output.
+    Placeholder,
+}
+
+/// The reference values of one output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Expected {
+    /// The output's name.
+    pub name: &'static str,
+    /// Where the values sit.
+    pub placement: Placement,
+    /// The values (see [`Placement`]).
+    pub values: Vec<f64>,
+    /// The size of the terms the output is computed from (see the module docs).
+    pub scale: f64,
+    /// What rounding the batch mean to the statistics type can change the output by
+    /// (the kernels, like TensorFlow's, centre `x` on the rounded mean): added to the
+    /// tolerance; 0 where no computed mean is involved.
+    pub floor: f64,
+}
+
+/// The reference outputs of an op and where they sit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reference {
+    /// The geometry of `x`.
+    pub geometry: Geometry,
+    /// The channels checked, in order.
+    pub channels: Vec<usize>,
+    /// The statistics type (`f32`, or `f64` for `f64` data): sets the tolerance.
+    pub stat_dtype: DType,
+    /// One entry per output, in the op's order.
+    pub outputs: Vec<Expected>,
+}
+
+/// Storage indices of channel `c`'s elements, in order.
+fn positions(g: &Geometry, c: usize) -> impl Iterator<Item = usize> + '_ {
+    let (inner, stride) = (g.inner, g.channels * g.inner);
+    (0..g.outer).flat_map(move |o| {
+        let base = o * stride + c * inner;
+        base..base + inner
+    })
+}
+
+/// The values of channel `c` of a full-size input, widened.
+fn gather(t: &Tensor, g: &Geometry, c: usize) -> Vec<f64> {
+    fn go<T: Element>(v: &[T], g: &Geometry, c: usize) -> Vec<f64> {
+        positions(g, c).map(|i| v[i].widen().to_f64()).collect()
+    }
+    match t.data() {
+        TensorData::F16(v) => go(v, g, c),
+        TensorData::BF16(v) => go(v, g, c),
+        TensorData::F32(v) => go(v, g, c),
+        TensorData::F64(v) => go(v, g, c),
+    }
+}
+
+/// One channel's part of one output: output index, values, scale, floor.
+type Piece = (usize, Vec<f64>, f64, f64);
+
+/// The reference outputs of `op` on `inputs` with `attrs`, for every channel or only
+/// `channels`. The inputs must be valid for the op (run the op first: it validates);
+/// a missing input or a wrong length is an error here too, never a panic.
+pub fn reference(
+    op: Op,
+    inputs: &Inputs<'_>,
+    attrs: &Attrs,
+    channels: Option<&[usize]>,
+) -> Result<Reference> {
+    let get = |name: &str| {
+        inputs.get(name).ok_or_else(|| Error::MissingInput {
+            op: op.name().into(),
+            name: name.into(),
+            why: "needed by the reference".into(),
+        })
+    };
+    let x = get("x")?;
+    let p = Problem::new(attrs.data_format, x.shape())?;
+    let g = *p.geometry();
+    let c = p.channels();
+    let channels: Vec<usize> = match channels {
+        Some(list) => list.to_vec(),
+        None => (0..c).collect(),
+    };
+    if let Some(&bad) = channels.iter().find(|&&ch| ch >= c) {
+        return Err(Error::arg(
+            "channel",
+            format!("a channel below {c}"),
+            bad.to_string(),
+        ));
+    }
+    let full = |name: &str| -> Result<Option<&Tensor>> {
+        match inputs.get(name) {
+            Some(t) if t.numel() != x.numel() => Err(Error::arg(
+                name,
+                format!("{} elements (the size of x)", x.numel()),
+                t.numel().to_string(),
+            )),
+            t => Ok(t),
+        }
+    };
+    let vector = |name: &str| -> Result<Option<Vec<f64>>> {
+        match inputs.get(name) {
+            Some(t) if t.numel() != c => Err(Error::arg(
+                name,
+                format!("{c} elements (the channel count of x)"),
+                t.numel().to_string(),
+            )),
+            Some(t) => Ok(Some(t.to_f64_vec())),
+            None => Ok(None),
+        }
+    };
+    let need = |v: Option<Vec<f64>>, name: &str| {
+        v.ok_or_else(|| Error::MissingInput {
+            op: op.name().into(),
+            name: name.into(),
+            why: "needed by the reference".into(),
+        })
+    };
+    let eps = f64::from(attrs.epsilon);
+    let relu = op.is_ex() && attrs.activation_mode == Activation::Relu;
+    let stat_dtype = if x.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let names = op.output_names();
+    let idx = |n: &str| names.iter().position(|m| *m == n);
+    // One channel at a time (in parallel), as a channel-local problem: the channel's M
+    // values as NHWC [M, 1, 1, 1].
+    let one = |ch: usize| -> Result<Vec<Piece>> {
+        let mut outs = Vec::new();
+        let xs = gather(x, &g, ch);
+        let m = xs.len();
+        let shape = [m, 1, 1, 1];
+        let fmt = DataFormat::Nhwc;
+        let at = |v: &[f64]| vec![v[ch]];
+        let mut put = |name: &str, v: &[f64], scale: f64, floor: f64| {
+            if let Some(i) = idx(name) {
+                outs.push((i, v.to_vec(), scale, floor));
+            }
+        };
+        let u_eps = 2.0 * stat_dtype.epsilon();
+        let max_abs = |v: &[f64]| {
+            v.iter()
+                .filter(|a| a.is_finite())
+                .fold(0f64, |m, a| m.max(a.abs()))
+        };
+        let sum_abs = |v: &[f64]| v.iter().map(|a| a.abs()).sum::<f64>();
+        if !op.is_gradient() {
+            let scale = need(vector("scale")?, "scale")?;
+            let offset = need(vector("offset")?, "offset")?;
+            let side = full("side_input")?.map(|t| gather(t, &g, ch));
+            let (mean, var) = (vector("mean")?, vector("variance")?);
+            let f = if attrs.is_training {
+                let (mi, vi) = (
+                    mean.as_deref().map_or(vec![0.0], at),
+                    var.as_deref().map_or(vec![0.0], at),
+                );
+                refr::forward_training(
+                    fmt,
+                    &shape,
+                    &xs,
+                    &at(&scale),
+                    &at(&offset),
+                    &mi,
+                    &vi,
+                    eps,
+                    f64::from(attrs.exponential_avg_factor),
+                )
+            } else {
+                let (mi, vi) = (need(mean, "mean")?, need(var, "variance")?);
+                refr::forward_inference(
+                    fmt,
+                    &shape,
+                    &xs,
+                    &at(&scale),
+                    &at(&offset),
+                    &at(&mi),
+                    &at(&vi),
+                    eps,
+                )
+            };
+            let act = if op.is_ex() { relu } else { false };
+            let y = refr::epilogue(&f.y, side.as_deref(), act);
+            let mu = f.reserve_space_1[0];
+            let a = scale[ch] / (f.reserve_space_2[0] + eps).sqrt();
+            let y_scale = xs.iter().map(|v| ((v - mu) * a).abs()).fold(0f64, f64::max)
+                + offset[ch].abs()
+                + side.as_deref().map_or(0.0, max_abs);
+            let std = f.reserve_space_2[0].abs().sqrt();
+            let mean_rounding = if attrs.is_training {
+                u_eps * (mu * a).abs()
+            } else {
+                0.0
+            };
+            put("y", &y, y_scale.max(max_abs(&y)), mean_rounding);
+            put("batch_mean", &f.batch_mean, std, 0.0);
+            put("reserve_space_1", &f.reserve_space_1, std, 0.0);
+            put(
+                "batch_variance",
+                &f.batch_variance,
+                max_abs(&f.batch_variance),
+                0.0,
+            );
+            put(
+                "reserve_space_2",
+                &f.reserve_space_2,
+                max_abs(&f.reserve_space_2),
+                0.0,
+            );
+        } else if op.is_second_order() {
+            let g_in = gather(
+                full("y_backprop")?.ok_or_else(|| missing(op, "y_backprop"))?,
+                &g,
+                ch,
+            );
+            let ga = gather(
+                full("grad_x_backprop")?.ok_or_else(|| missing(op, "grad_x_backprop"))?,
+                &g,
+                ch,
+            );
+            let scale = need(vector("scale")?, "scale")?;
+            let rs1 = need(vector("reserve_space_1")?, "reserve_space_1")?;
+            let rs2 = need(vector("reserve_space_2")?, "reserve_space_2")?;
+            let gs = need(vector("grad_scale_backprop")?, "grad_scale_backprop")?;
+            let go = need(vector("grad_offset_backprop")?, "grad_offset_backprop")?;
+            let r = refr::second_order(
+                fmt,
+                &shape,
+                &g_in,
+                &xs,
+                &at(&scale),
+                &at(&rs1),
+                &at(&rs2),
+                &ga,
+                &at(&gs),
+                &at(&go),
+                eps,
+                attrs.is_training,
+            );
+            let sc = second_order_scales(
+                &g_in,
+                &xs,
+                scale[ch],
+                rs1[ch],
+                rs2[ch],
+                &ga,
+                gs[ch],
+                go[ch],
+                eps,
+                attrs.is_training,
+            );
+            let mean_rounding = |k: f64| if attrs.is_training { u_eps * k } else { 0.0 };
+            put(
+                "grad_y_backprop",
+                &r.grad_y_backprop,
+                sc[0].max(max_abs(&r.grad_y_backprop)),
+                mean_rounding(sc[3]),
+            );
+            put(
+                "grad_x",
+                &r.grad_x,
+                sc[1].max(max_abs(&r.grad_x)),
+                mean_rounding(sc[4]),
+            );
+            put(
+                "grad_scale",
+                &r.grad_scale,
+                sc[2].max(max_abs(&r.grad_scale)),
+                0.0,
+            );
+        } else {
+            let mut dy = gather(
+                full("y_backprop")?.ok_or_else(|| missing(op, "y_backprop"))?,
+                &g,
+                ch,
+            );
+            let scale = need(vector("scale")?, "scale")?;
+            let rs1 = need(vector("reserve_space_1")?, "reserve_space_1")?;
+            let rs2 = need(vector("reserve_space_2")?, "reserve_space_2")?;
+            if relu {
+                let y = gather(full("y")?.ok_or_else(|| missing(op, "y"))?, &g, ch);
+                dy = refr::relu_mask(&dy, &y);
+            }
+            let r = refr::backward(
+                fmt,
+                &shape,
+                &dy,
+                &xs,
+                &at(&scale),
+                &at(&rs1),
+                &at(&rs2),
+                eps,
+                attrs.is_training,
+            );
+            let rr = 1.0 / (rs2[ch] + eps).sqrt();
+            let k1 = (scale[ch] * rr).abs();
+            let xc_max = xs.iter().map(|v| (v - rs1[ch]).abs()).fold(0f64, f64::max);
+            let dy_max = max_abs(&dy);
+            let dx_scale = if attrs.is_training {
+                let mf = m.max(1) as f64;
+                let dm = r.offset_backprop[0].abs() / mf;
+                let k2 = k1
+                    * rr
+                    * rr
+                    * sum_abs(
+                        &dy.iter()
+                            .zip(&xs)
+                            .map(|(d, v)| d * (v - rs1[ch]))
+                            .collect::<Vec<_>>(),
+                    )
+                    / mf;
+                k1 * (dy_max + dm) + k2 * xc_max
+            } else {
+                k1 * dy_max
+            };
+            let sdx: f64 = dy
+                .iter()
+                .zip(&xs)
+                .map(|(d, v)| (d * (v - rs1[ch])).abs())
+                .sum();
+            put(
+                "x_backprop",
+                &r.x_backprop,
+                dx_scale.max(max_abs(&r.x_backprop)),
+                0.0,
+            );
+            put("scale_backprop", &r.scale_backprop, rr * sdx, 0.0);
+            put("offset_backprop", &r.offset_backprop, sum_abs(&dy), 0.0);
+            put("side_input_backprop", &dy, dy_max, 0.0);
+        }
+        Ok(outs)
+    };
+    let per: Vec<Vec<Piece>> = channels
+        .par_iter()
+        .map(|&ch| one(ch))
+        .collect::<Result<_>>()?;
+    let mut values: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let mut scales = vec![(0f64, 0f64); names.len()];
+    for (i, v, scale, floor) in per.into_iter().flatten() {
+        values[i].extend(v);
+        scales[i] = (scales[i].0.max(scale), scales[i].1.max(floor));
+    }
+    let outputs = names
+        .iter()
+        .zip(values.into_iter().zip(scales))
+        .map(|(&name, (values, (scale, floor)))| {
+            let placement = match name {
+                "y" | "x_backprop" | "side_input_backprop" | "grad_y_backprop" | "grad_x" => {
+                    Placement::Elementwise
+                }
+                "reserve_space_3" | "reserve_space_4" | "reserve_space_5" => Placement::Placeholder,
+                _ if op.is_gradient() && !op.is_second_order() && name.starts_with("reserve") => {
+                    Placement::Placeholder
+                }
+                _ => Placement::PerChannel,
+            };
+            Expected {
+                name,
+                placement,
+                values,
+                scale,
+                floor,
+            }
+        })
+        .collect();
+    Ok(Reference {
+        geometry: g,
+        channels,
+        stat_dtype,
+        outputs,
+    })
+}
+
+fn missing(op: Op, name: &str) -> Error {
+    Error::MissingInput {
+        op: op.name().into(),
+        name: name.into(),
+        why: "needed by the reference".into(),
+    }
+}
+
+/// The term sizes of the three second-order outputs of one channel: the same formulas
+/// as [`crate::reference::second_order`] with every term taken by its absolute value,
+/// then (training) the effect of a rounded mean on grad_y and grad_x, per unit of rounding.
+#[allow(clippy::too_many_arguments)]
+fn second_order_scales(
+    g: &[f64],
+    x: &[f64],
+    sc: f64,
+    rs1: f64,
+    rs2: f64,
+    ga: &[f64],
+    gs: f64,
+    go: f64,
+    eps: f64,
+    training: bool,
+) -> [f64; 5] {
+    let m = x.len().max(1) as f64;
+    let (mu, var) = if training {
+        let mu = x.iter().sum::<f64>() / m;
+        (mu, x.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / m)
+    } else {
+        (rs1, rs2)
+    };
+    let (sc, gs, go) = (sc.abs(), gs.abs(), go.abs());
+    let r = 1.0 / (var + eps).sqrt();
+    let xh: Vec<f64> = x.iter().map(|v| (v - mu) * r).collect();
+    let mean = |f: &dyn Fn(usize) -> f64| (0..x.len()).map(f).sum::<f64>() / m;
+    let max = |f: &dyn Fn(usize) -> f64| (0..x.len()).map(f).fold(0f64, f64::max);
+    let (gbar, abar) = (mean(&|i| g[i]), mean(&|i| ga[i]));
+    // Sums of absolute terms: a computed mean of products is off by about
+    // eps·mean|product|, however small the exact mean (a constant g has s2 = 0).
+    let s2 = mean(&|i| (g[i] * xh[i]).abs());
+    let t = mean(&|i| (ga[i] * xh[i]).abs());
+    let k = mean(&|i| (ga[i] * (g[i] - gbar)).abs() + (ga[i] * gbar).abs());
+    let xm = max(&|i| xh[i].abs());
+    // Differences from the means: the terms' size, not the (possibly 0) difference.
+    let gm = max(&|i| g[i].abs()) + gbar.abs();
+    let am = max(&|i| ga[i].abs()) + abar.abs();
+    if training {
+        let gy = sc * r * (max(&|i| ga[i].abs()) + abar.abs() + xm * t) + gs * xm + go;
+        let gx =
+            sc * r * r * (xm * (k + 3.0 * s2 * t) + gm * t + am * s2) + gs * r * (gm + xm * s2);
+        let gsc = r
+            * (0..x.len())
+                .map(|i| (ga[i] * (g[i] - gbar)).abs() + (ga[i] * xh[i] * s2).abs())
+                .sum::<f64>();
+        // Coefficients of x̂ in grad_y and grad_x, times |μ|·r: the effect of rounding μ.
+        let (cy, cx) = (
+            sc * r * t + gs,
+            sc * r * r * (k + 3.0 * s2 * t) + gs * r * s2,
+        );
+        [gy, gx, gsc, cy * mu.abs() * r, cx * mu.abs() * r]
+    } else {
+        let gy = sc * r * max(&|i| ga[i].abs()) + gs * r * max(&|i| (x[i] - mu).abs()) + go;
+        let gx = gs * r * max(&|i| g[i].abs());
+        let gsc = r * (0..x.len()).map(|i| (ga[i] * g[i]).abs()).sum::<f64>();
+        [gy, gx, gsc, 0.0, 0.0]
+    }
+}
+
+/// How closely one output agreed with the reference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Agreement {
+    /// The output's name.
+    pub name: &'static str,
+    /// Values compared.
+    pub compared: usize,
+    /// Values bit-identical to the reference rounded to the output's type.
+    pub exact: usize,
+    /// The largest `|got − want| / tolerance` (≤ 1 passes).
+    pub worst: f64,
+    /// Largest `|got − want|` relative to the output's scale.
+    pub max_rel: f64,
+}
+
+/// The agreement of every output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Report {
+    /// One per compared output, in the op's order.
+    pub outputs: Vec<Agreement>,
+}
+
+impl Report {
+    /// The largest error in units of the tolerance over all outputs (≤ 1 passes).
+    pub fn worst(&self) -> f64 {
+        self.outputs.iter().map(|a| a.worst).fold(0.0, f64::max)
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, a) in self.outputs.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(
+                f,
+                "{:<22} {:>10} values, {:>6.2} % exact, max error {:.2e} of scale, {:.3} of tolerance",
+                a.name,
+                a.compared,
+                if a.compared == 0 {
+                    100.0
+                } else {
+                    100.0 * a.exact as f64 / a.compared as f64
+                },
+                a.max_rel,
+                a.worst
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The relative part of the tolerance for statistics of type `u`.
+pub fn relative_tolerance(u: DType) -> f64 {
+    if u == DType::F64 {
+        // The f64 reference's own plain sums are only this good at M = 10^6 and
+        // |mean| / std = 1e4.
+        1e-8
+    } else {
+        1e-4
+    }
+}
+
+/// Compares `outputs` with the reference under the one tolerance policy (module docs).
+/// Fails with the first value out of tolerance, naming the output, the element (its
+/// channel and storage index) and both values.
+pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
+    let g = &want.geometry;
+    let rel = relative_tolerance(want.stat_dtype);
+    let mut report = Report {
+        outputs: Vec::new(),
+    };
+    for e in &want.outputs {
+        let got = outputs
+            .get(e.name)
+            .ok_or_else(|| Error::arg("outputs", format!("an output named {}", e.name), "none"))?;
+        let fail =
+            |what: String| Error::arg(e.name, "values within tolerance of the f64 reference", what);
+        if e.placement == Placement::Placeholder {
+            if got.numel() != 0 {
+                return Err(fail(format!("{} elements in a placeholder", got.numel())));
+            }
+            continue;
+        }
+        let per_channel = e.placement == Placement::PerChannel;
+        let expected_len = if per_channel { g.channels } else { g.len() };
+        let per = if per_channel { 1 } else { g.per_channel() };
+        if got.numel() != expected_len || want.channels.len() * per != e.values.len() {
+            return Err(fail(format!(
+                "{} elements, expected {expected_len}",
+                got.numel()
+            )));
+        }
+        let ulp = 2.0 * got.dtype().epsilon();
+        let mut a = Agreement {
+            name: e.name,
+            compared: 0,
+            exact: 0,
+            worst: 0.0,
+            max_rel: 0.0,
+        };
+        let got_all = widen_all(got);
+        for (k, &c) in want.channels.iter().enumerate() {
+            let wants = &e.values[k * per..][..per];
+            let places: Box<dyn Iterator<Item = usize>> = if per_channel {
+                Box::new(std::iter::once(c))
+            } else {
+                Box::new(positions(g, c))
+            };
+            for (i, &w) in places.zip(wants) {
+                let v = got_all[i];
+                a.compared += 1;
+                if w.is_nan() || v.is_nan() {
+                    if w.is_nan() && v.is_nan() {
+                        a.exact += 1;
+                        continue;
+                    }
+                    return Err(fail(format!(
+                        "channel {c}, element {i}: got {v}, expected {w}"
+                    )));
+                }
+                if v == round_to(got.dtype(), w) {
+                    a.exact += 1;
+                }
+                let err = (v - w).abs();
+                if err == 0.0 {
+                    continue;
+                }
+                let tol = rel * e.scale + ulp * w.abs() + e.floor;
+                let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
+                a.worst = a.worst.max(ratio);
+                if e.scale > 0.0 {
+                    a.max_rel = a.max_rel.max(err / e.scale);
+                }
+                if ratio.is_nan() || ratio > 1.0 {
+                    return Err(fail(format!(
+                        "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·|expected| + {:.3e})",
+                        e.scale, e.floor
+                    )));
+                }
+            }
+        }
+        report.outputs.push(a);
+    }
+    Ok(report)
+}
+
+/// Every element widened to `f64`, in parallel.
+fn widen_all(t: &Tensor) -> Vec<f64> {
+    fn go<T: Element>(v: &[T]) -> Vec<f64> {
+        v.par_iter().map(|x| x.widen().to_f64()).collect()
+    }
+    match t.data() {
+        TensorData::F16(v) => go(v),
+        TensorData::BF16(v) => go(v),
+        TensorData::F32(v) => go(v),
+        TensorData::F64(v) => go(v),
+    }
+}
+
+fn round_to(d: DType, v: f64) -> f64 {
+    match d {
+        DType::F16 => f16::from_f64(v).to_f64(),
+        DType::BF16 => bf16::from_f64(v).to_f64(),
+        DType::F32 => v as f32 as f64,
+        DType::F64 => v,
+    }
+}

@@ -1,0 +1,161 @@
+//! Every reduction of every op at scale: millions of elements per channel, in every
+//! layout and element type, with N = 1 (one huge image: a channel-major row far longer
+//! than any tile) and N > 1, random data far from zero (|mean| / std = 1e4 for f32 and
+//! f64, 1e2 for the half types) and a constant gradient (where a sum kept too long in
+//! f32 drifts furthest) — checked against the f64 reference by the library's driver
+//! (`fusedbn::driver`), with its one tolerance policy.
+//!
+//! Issue 7's bug — the channel-major inference gradient summing a whole 2048×2048 row in
+//! f32 lanes, `offset_backprop` off by 4e-3 — fails `inference_gradient` and
+//! `ex_gradient_inference` here.
+
+use fusedbn::driver::{check, reference, Case, Fill};
+use fusedbn::ops::Op;
+use fusedbn::{DType, DataFormat};
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// Logical `[N, spatial…, C]` shapes with about 2.1 million elements per channel:
+/// N = 1 and N > 1 for the 4-D formats; the 5-D formats (the same kernels' geometry
+/// with another rank) one of each.
+fn shapes(format: DataFormat) -> Vec<Vec<usize>> {
+    match format {
+        DataFormat::Nhwc | DataFormat::Nchw => vec![vec![1, 1024, 2051, 2], vec![3, 700, 1001, 2]],
+        DataFormat::Ndhwc => vec![vec![3, 5, 140, 1001, 2]],
+        DataFormat::Ncdhw => vec![vec![1, 4, 512, 1027, 2]],
+    }
+}
+
+/// Random data far from zero for the type.
+fn far(dtype: DType) -> Fill {
+    let mean = match dtype {
+        DType::F32 | DType::F64 => 1e4,
+        _ => 1e2,
+    };
+    Fill::Random { mean, std: 1.0 }
+}
+
+/// Runs `make(case)` for every format, shape and type, with each fill in `fills`.
+fn sweep(op: Op, fills: &[fn(DType) -> Fill], adjust: impl Fn(Case) -> Case) {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for format in DataFormat::ALL {
+        for logical in shapes(format) {
+            for dtype in DTYPES {
+                for fill in fills {
+                    let case = Case::new(op, format, &logical, dtype)
+                        .expect("valid case")
+                        .fill(fill(dtype));
+                    let case = adjust(case);
+                    let inputs = case.inputs().expect("inputs");
+                    let outputs = case.run(&inputs).expect("the op runs");
+                    let want = reference(case.op, &case.named(&inputs), &case.attrs, None)
+                        .expect("reference");
+                    checked += 1;
+                    if let Err(e) = check(&want, &outputs) {
+                        failures.push(format!("{case}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 24, "only {checked} cases");
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} cases out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn constant(_: DType) -> Fill {
+    Fill::Constant { dy: 0.1 }
+}
+
+#[test]
+fn forward_statistics() {
+    sweep(Op::FusedBatchNormV3, &[far], |c| c.training(true));
+}
+
+#[test]
+fn forward_statistics_running_average() {
+    sweep(Op::FusedBatchNormV3, &[far], |c| {
+        c.training(true).factor(0.25)
+    });
+}
+
+#[test]
+fn ex_forward_statistics() {
+    sweep(Op::FusedBatchNormEx, &[far], |c| {
+        c.training(true).ex(true, true)
+    });
+}
+
+#[test]
+fn training_gradient() {
+    sweep(Op::FusedBatchNormGradV3, &[far, constant], |c| {
+        c.training(true)
+    });
+}
+
+#[test]
+fn inference_gradient() {
+    sweep(Op::FusedBatchNormGradV3, &[far, constant], |c| {
+        c.training(false)
+    });
+}
+
+#[test]
+fn ex_gradient_training() {
+    sweep(Op::FusedBatchNormGradEx, &[far, constant], |c| {
+        c.training(true).ex(true, true)
+    });
+}
+
+#[test]
+fn ex_gradient_inference() {
+    sweep(Op::FusedBatchNormGradEx, &[far, constant], |c| {
+        c.training(false).ex(true, true)
+    });
+}
+
+#[test]
+fn second_order_training() {
+    sweep(Op::FusedBatchNormGradGradV3, &[far, constant], |c| {
+        c.training(true)
+    });
+}
+
+#[test]
+fn second_order_inference() {
+    sweep(Op::FusedBatchNormGradGradV3, &[far, constant], |c| {
+        c.training(false)
+    });
+}
+
+/// The issue's reproduction, exactly: one 2048×2048 image, `y_backprop` = 0.1.
+#[test]
+fn one_huge_image_inference_gradient_sums_exactly() {
+    for dtype in DTYPES {
+        let case = Case::new(
+            Op::FusedBatchNormGradV3,
+            DataFormat::Nchw,
+            &[1, 2048, 2048, 1],
+            dtype,
+        )
+        .unwrap()
+        .training(false)
+        .fill(Fill::Constant { dy: 0.1 });
+        let inputs = case.inputs().unwrap();
+        let out = case.run(&inputs).unwrap();
+        let got = out.get("offset_backprop").unwrap().to_f64_vec()[0];
+        let dy = inputs[0].1.to_f64_vec()[0]; // 0.1 rounded to the type
+        let exact = dy * (2048.0 * 2048.0);
+        // f32 lanes sum at most 1024 values before f64 takes over: at most 512 roundings
+        // of 2^-24 each, relative (the bug was 4e-3).
+        assert!(
+            (got - exact).abs() <= 3e-5 * exact,
+            "{dtype}: offset_backprop {got}, exact {exact}"
+        );
+    }
+}
