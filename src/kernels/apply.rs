@@ -13,7 +13,7 @@
 
 use std::mem::size_of;
 
-use super::simd::{load_n, load_partial_n, splat_n, Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{for_each_row_chunk, Geometry, MAX_PERIOD};
 use crate::element::{Element, Real};
 
@@ -159,7 +159,10 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
         let (g, l) = (self.g, S::LANES);
         if g.channels_last() {
             let c = g.channels;
+            // The pattern's period: lcm(C, lanes), repeated to at least 128 elements so
+            // the loop over one period is not too short.
             let period = lcm(c, l);
+            let period = period * (128 / period).max(1);
             if period <= MAX_PERIOD {
                 let head = head_len(self.out, l, self.stream);
                 let pattern = Pattern::new(self.consts, c, period, head, l);
@@ -205,14 +208,6 @@ pub(crate) fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
     }
 }
 
-#[inline(always)]
-fn put<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, out: &mut [T], v: S::V, stream: bool) {
-    if stream {
-        s.stream(out, v)
-    } else {
-        s.store(out, v)
-    }
-}
 
 /// One contiguous run with the same constants everywhere.
 #[inline(always)]
@@ -235,16 +230,37 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
         s.store_partial(&mut out[..head], v);
     }
-    let n = out.len();
-    let mut i = head;
-    while i + l <= n {
-        let v = f.eval(s, load_n(s, &ins, i), k);
-        put(s, &mut out[i..], v, stream);
-        i += l;
+    let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
+    let (at, n) = {
+        let mut w = Walk::new(l, ins, &mut *out);
+        if stream && w.aligned() {
+            splat_body::<U, S, T, F, N, K, true>(s, &mut w, k, f);
+        } else {
+            splat_body::<U, S, T, F, N, K, false>(s, &mut w, k, f);
+        }
+        w.tail()
+    };
+    if n > 0 {
+        let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
+        s.store_partial(&mut out[at..at + n], v);
     }
-    if i < n {
-        let v = f.eval(s, load_partial_n(s, &ins, i, n - i), k);
-        s.store_partial(&mut out[i..], v);
+}
+
+#[inline(always)]
+fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    k: [S::V; K],
+    f: &F,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    for j in 0..w.vectors() {
+        let v = f.eval(s, w.load(s, j), k);
+        w.store::<S, STREAM>(s, j, v);
     }
 }
 
@@ -270,7 +286,8 @@ impl<U: Real, const K: usize> Pattern<U, K> {
     }
 }
 
-/// A run of whole pixels with constants from `pattern`.
+/// A run of whole pixels with constants from `pattern`: the pattern's period is a whole
+/// number of vectors, so the loop runs period by period with no wrap test.
 #[inline(always)]
 fn periodic<U, S, T, F, const N: usize, const K: usize>(
     s: S,
@@ -285,7 +302,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
-    let (l, head, n) = (S::LANES, pattern.head.min(out.len()), out.len());
+    let (l, head) = (S::LANES, pattern.head.min(out.len()));
     let (values, head_values) = (pattern.values.each_ref(), pattern.head_values.each_ref());
     let (values, head_values) = (values.map(|v| &v[..]), head_values.map(|v| &v[..]));
     if head > 0 {
@@ -293,21 +310,46 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
         s.store_partial(&mut out[..head], v);
     }
-    let (mut i, mut p) = (head, 0);
-    while i + l <= n {
-        let k = load_n(s, &values, p);
-        let v = f.eval(s, load_n(s, &ins, i), k);
-        put(s, &mut out[i..], v, stream);
-        i += l;
-        p += l;
-        if p >= pattern.period {
-            p -= pattern.period;
+    let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
+    let consts = Reads::new(l, values, pattern.period);
+    let (at, n) = {
+        let mut w = Walk::new(l, ins, &mut *out);
+        if stream && w.aligned() {
+            periodic_body::<U, S, T, F, N, K, true>(s, &mut w, &consts, f);
+        } else {
+            periodic_body::<U, S, T, F, N, K, false>(s, &mut w, &consts, f);
         }
+        w.tail()
+    };
+    if n > 0 {
+        let p = at % pattern.period;
+        let k = load_partial_n(s, &values, p, n);
+        let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
+        s.store_partial(&mut out[at..at + n], v);
     }
-    if i < n {
-        let k = load_partial_n(s, &values, p, n - i);
-        let v = f.eval(s, load_partial_n(s, &ins, i, n - i), k);
-        s.store_partial(&mut out[i..], v);
+}
+
+#[inline(always)]
+fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    consts: &Reads<'_, U, K>,
+    f: &F,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    let (total, per) = (w.vectors(), consts.vectors().max(1));
+    let mut j0 = 0;
+    while j0 < total {
+        let m = per.min(total - j0);
+        for q in 0..m {
+            let v = f.eval(s, w.load(s, j0 + q), consts.load(s, q));
+            w.store::<S, STREAM>(s, j0 + q, v);
+        }
+        j0 += m;
     }
 }
 

@@ -6,7 +6,7 @@
 //! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::apply::{elementwise, head_len, VectorFn};
-use super::simd::{load_len, Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_partial_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{
     channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
     ChannelMajorSplit, ChannelTask, Geometry,
@@ -178,42 +178,127 @@ pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     mask: Option<&[T]>,
     x: &[T],
     m: S::V,
-    mut dx: Option<(&mut [T], bool)>,
+    dx: Option<(&mut [T], bool)>,
+    k1: S::V,
+    acc: (S::V, S::V),
+) -> (S::V, S::V) {
+    // One instantiation per combination, so the loops test no flag.
+    match (mask, dx) {
+        (None, None) => sums_run(s, [dy, x], m, acc),
+        (Some(y), None) => sums_run(s, [dy, x, y], m, acc),
+        (None, Some((out, st))) => sums_out_run(s, [dy, x], m, out, st, k1, acc),
+        (Some(y), Some((out, st))) => sums_out_run(s, [dy, x, y], m, out, st, k1, acc),
+    }
+}
+
+/// dy of a vector of `[dy, x]` or `[dy, x, mask]`: masked to `mask > 0` with three.
+#[inline(always)]
+fn grad_of<U: Real, S: Simd<U>, const N: usize>(s: S, v: &[S::V; N]) -> S::V {
+    if N == 3 {
+        s.mask_positive(v[2], v[0])
+    } else {
+        v[0]
+    }
+}
+
+/// The partial vector `[at, at + len)` of `ins` folded into the sums; returns its dy.
+#[inline(always)]
+fn sums_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: &[&[T]; N],
+    at: usize,
+    len: usize,
+    m: S::V,
+    (a, b): (S::V, S::V),
+) -> (S::V, (S::V, S::V)) {
+    let v = load_partial_n(s, ins, at, len);
+    let d = grad_of(s, &v);
+    (d, (s.add(a, d), s.mul_add(d, s.sub(v[1], m), b)))
+}
+
+/// The sums over one run of `ins` = dy, x (and the mask): whole vectors in two chains.
+#[inline(always)]
+fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    m: S::V,
+    (mut a, mut b): (S::V, S::V),
+) -> (S::V, S::V) {
+    let r = Reads::new(S::LANES, ins, ins[0].len());
+    let zero = s.splat(U::ZERO);
+    let (mut a1, mut b1) = (zero, zero);
+    let pairs = r.vectors() / 2;
+    for i in 0..pairs {
+        let (v, w) = (r.load(s, 2 * i), r.load(s, 2 * i + 1));
+        let (d, e) = (grad_of(s, &v), grad_of(s, &w));
+        a = s.add(a, d);
+        b = s.mul_add(d, s.sub(v[1], m), b);
+        a1 = s.add(a1, e);
+        b1 = s.mul_add(e, s.sub(w[1], m), b1);
+    }
+    if r.vectors() % 2 == 1 {
+        let v = r.load(s, r.vectors() - 1);
+        let d = grad_of(s, &v);
+        a = s.add(a, d);
+        b = s.mul_add(d, s.sub(v[1], m), b);
+    }
+    let (at, n) = r.tail();
+    if n > 0 {
+        (_, (a, b)) = sums_partial(s, &ins, at, n, m, (a, b));
+    }
+    (s.add(a, a1), s.add(b, b1))
+}
+
+/// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
+/// partial vector peeled so the full stores are aligned).
+#[inline(always)]
+fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    m: S::V,
+    out: &mut [T],
+    stream: bool,
+    k1: S::V,
+    mut acc: (S::V, S::V),
+) -> (S::V, S::V) {
+    let head = head_len(out, S::LANES, stream);
+    if head > 0 {
+        let d;
+        (d, acc) = sums_partial(s, &ins, 0, head, m, acc);
+        s.store_partial(&mut out[..head], s.mul(d, k1));
+    }
+    let (ins, out) = (ins.map(|v| &v[head..]), &mut out[head..]);
+    let (at, n) = {
+        let mut w = Walk::new(S::LANES, ins, &mut *out);
+        acc = if stream && w.aligned() {
+            sums_out_body::<U, S, T, N, true>(s, &mut w, m, k1, acc)
+        } else {
+            sums_out_body::<U, S, T, N, false>(s, &mut w, m, k1, acc)
+        };
+        w.tail()
+    };
+    if n > 0 {
+        let d;
+        (d, acc) = sums_partial(s, &ins, at, n, m, acc);
+        s.store_partial(&mut out[at..at + n], s.mul(d, k1));
+    }
+    acc
+}
+
+#[inline(always)]
+fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    m: S::V,
     k1: S::V,
     (mut a, mut b): (S::V, S::V),
 ) -> (S::V, S::V) {
-    let (l, n) = (S::LANES, dy.len());
-    let stream = dx.as_ref().is_some_and(|d| d.1);
-    // Peel a partial vector so that streaming stores are aligned.
-    let head = match &dx {
-        Some((out, st)) => head_len(out, l, *st),
-        None => 0,
-    };
-    let mut i = 0;
-    while i < n {
-        let len = if i == 0 && head > 0 {
-            head
-        } else {
-            l.min(n - i)
-        };
-        let full = len == l;
-        let mut d = load_len(s, dy, i, len);
-        if let Some(y) = mask {
-            d = s.mask_positive(load_len(s, y, i, len), d);
-        }
+    for j in 0..w.vectors() {
+        let v = w.load(s, j);
+        let d = grad_of(s, &v);
         a = s.add(a, d);
-        b = s.mul_add(d, s.sub(load_len(s, x, i, len), m), b);
-        if let Some((out, _)) = dx.as_mut() {
-            let v = s.mul(d, k1);
-            if !full {
-                s.store_partial(&mut out[i..i + len], v);
-            } else if stream {
-                s.stream(&mut out[i..], v);
-            } else {
-                s.store(&mut out[i..], v);
-            }
-        }
-        i += len;
+        b = s.mul_add(d, s.sub(v[1], m), b);
+        w.store::<S, STREAM>(s, j, s.mul(d, k1));
     }
     (a, b)
 }
@@ -233,59 +318,98 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) {
-        let (l, c) = (S::LANES, self.mean.len());
-        let (full, groups) = (c / l, c.div_ceil(l));
-        let zero = s.splat(T::Stat::ZERO);
-        let padded = |v: &[T::Stat]| {
-            let mut p = v.to_vec();
-            p.resize(groups * l, T::Stat::ZERO);
-            p
-        };
-        let mean = padded(self.mean);
-        let k1 = padded(self.dx.as_ref().map_or(&[][..], |d| d.1));
-        let mut out = self.dx.map(|d| d.0);
-        let (mut a, mut b) = (vec![zero; groups], vec![zero; groups]);
-        let mut lanes = vec![T::Stat::ZERO; 2 * groups * l];
-        let tile = pixels_per_tile(c) * c;
-        for (t, (dt, xt)) in self.dy.chunks(tile).zip(self.x.chunks(tile)).enumerate() {
-            a.fill(zero);
-            b.fill(zero);
-            for (p, (dp, xp)) in dt.chunks_exact(c).zip(xt.chunks_exact(c)).enumerate() {
-                let at = t * tile + p * c;
-                let yp = self.mask.map(|y| &y[at..][..c]);
-                let mut o = out.as_deref_mut().map(|o| &mut o[at..][..c]);
-                for gi in 0..groups {
-                    let (full_group, at, len) = (gi < full, gi * l, l.min(c - gi * l));
-                    let mut d = load_len(s, dp, at, len);
-                    if let Some(y) = yp {
-                        d = s.mask_positive(load_len(s, y, at, len), d);
+        let (dy, x) = (self.dy, self.x);
+        match (self.mask, self.dx) {
+            (None, None) => pixel_sums(s, [dy, x], self.mean, None, self.sums),
+            (Some(y), None) => pixel_sums(s, [dy, x, y], self.mean, None, self.sums),
+            (None, Some(o)) => pixel_sums(s, [dy, x], self.mean, Some(o), self.sums),
+            (Some(y), Some(o)) => pixel_sums(s, [dy, x, y], self.mean, Some(o), self.sums),
+        }
+    }
+}
+
+/// [`PixelSums`] for one combination of inputs: `ins` = dy, x (and the mask).
+#[inline(always)]
+fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    mean: &[U],
+    mut dx: Option<(&mut [T], &[U])>,
+    sums: &mut BackwardSums,
+) {
+    let (l, c) = (S::LANES, mean.len());
+    let groups = c.div_ceil(l);
+    let zero = s.splat(U::ZERO);
+    let padded = |v: &[U]| {
+        let mut p = v.to_vec();
+        p.resize(groups * l, U::ZERO);
+        p
+    };
+    let mean_p = padded(mean);
+    let k1_p = padded(dx.as_ref().map_or(&[][..], |d| d.1));
+    let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
+    let (mut a, mut b) = (vec![zero; groups], vec![zero; groups]);
+    let mut lanes = vec![U::ZERO; 2 * groups * l];
+    let tile = pixels_per_tile(c) * c;
+    let len = ins[0].len();
+    let mut t0 = 0;
+    while t0 < len {
+        let t1 = (t0 + tile).min(len);
+        a.fill(zero);
+        b.fill(zero);
+        for p0 in (t0..t1).step_by(c) {
+            let px = ins.map(|v| &v[p0..p0 + c]);
+            match dx.as_mut() {
+                None => {
+                    let r = Reads::new(l, px, c);
+                    for g in 0..r.vectors() {
+                        let v = r.load(s, g);
+                        let d = grad_of(s, &v);
+                        let [mv, _] = consts.load(s, g);
+                        a[g] = s.add(a[g], d);
+                        b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
                     }
-                    a[gi] = s.add(a[gi], d);
-                    b[gi] = s.mul_add(
-                        d,
-                        s.sub(load_len(s, xp, at, len), s.load(&mean[at..])),
-                        b[gi],
-                    );
-                    if let Some(o) = o.as_deref_mut() {
-                        let v = s.mul(d, s.load(&k1[gi * l..]));
-                        if full_group {
-                            s.store(&mut o[gi * l..], v);
-                        } else {
-                            s.store_partial(&mut o[gi * l..], v);
+                    let (at, n) = r.tail();
+                    if n > 0 {
+                        let [mv, _] = consts.load(s, at / l);
+                        let g = at / l;
+                        (_, (a[g], b[g])) = sums_partial(s, &px, at, n, mv, (a[g], b[g]));
+                    }
+                }
+                Some((out, _)) => {
+                    let o = &mut out[p0..p0 + c];
+                    let (at, n) = {
+                        let mut w = Walk::new(l, px, &mut *o);
+                        for g in 0..w.vectors() {
+                            let v = w.load(s, g);
+                            let d = grad_of(s, &v);
+                            let [mv, kv] = consts.load(s, g);
+                            a[g] = s.add(a[g], d);
+                            b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
+                            w.store::<S, false>(s, g, s.mul(d, kv));
                         }
+                        w.tail()
+                    };
+                    if n > 0 {
+                        let g = at / l;
+                        let [mv, kv] = consts.load(s, g);
+                        let d;
+                        (d, (a[g], b[g])) = sums_partial(s, &px, at, n, mv, (a[g], b[g]));
+                        s.store_partial(&mut o[at..at + n], s.mul(d, kv));
                     }
                 }
             }
-            let (la, lb) = lanes.split_at_mut(groups * l);
-            for gi in 0..groups {
-                s.store(&mut la[gi * l..], a[gi]);
-                s.store(&mut lb[gi * l..], b[gi]);
-            }
-            for ch in 0..c {
-                self.sums.sum_dy[ch] += la[ch].to_f64();
-                self.sums.sum_dy_xc[ch] += lb[ch].to_f64();
-            }
         }
+        let (la, lb) = lanes.split_at_mut(groups * l);
+        for gi in 0..groups {
+            s.store(&mut la[gi * l..], a[gi]);
+            s.store(&mut lb[gi * l..], b[gi]);
+        }
+        for ch in 0..c {
+            sums.sum_dy[ch] += la[ch].to_f64();
+            sums.sum_dy_xc[ch] += lb[ch].to_f64();
+        }
+        t0 = t1;
     }
 }
 

@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C: 8 f32 lanes; tails through a small stack buffer; bf16 by
+//! AVX2 + FMA + F16C: 8 f32 lanes; tails by masked loads and stores (`vmaskmovps`
+//! for 32-bit elements; 32-bit pairs plus a blend for 16-bit ones); bf16 by
 //! shifting (round to nearest even on store, NaN kept quiet as `half` does).
 
 use std::arch::x86_64::*;
@@ -42,12 +43,53 @@ unsafe fn from_bf16(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
+/// All-ones in the 32-bit lanes below `n`.
+#[inline(always)]
+unsafe fn lane_mask(n: usize) -> __m256i {
+    _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
+/// The first `n < 8` 16-bit elements at `p`, zero above: whole 32-bit pairs by a
+/// masked load, an odd last element blended in. Reads nothing past `p + n`.
+#[inline(always)]
+unsafe fn load_partial_16(p: *const u16, n: usize) -> __m128i {
+    let pairs = _mm_cmpgt_epi32(_mm_set1_epi32((n / 2) as i32), _mm_setr_epi32(0, 1, 2, 3));
+    let v = _mm_maskload_epi32(p.cast(), pairs);
+    if n % 2 == 1 {
+        let last = _mm_set1_epi16(p.add(n - 1).read_unaligned() as i16);
+        let at = _mm_cmpeq_epi16(
+            _mm_set1_epi16((n - 1) as i16),
+            _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        _mm_blendv_epi8(v, last, at)
+    } else {
+        v
+    }
+}
+
+/// Writes the first `n < 8` 16-bit lanes of `h` at `p` and nothing else: whole pairs
+/// by a masked store, an odd last element on its own.
+#[inline(always)]
+unsafe fn store_partial_16(p: *mut u16, n: usize, h: __m128i) {
+    let pairs = _mm_cmpgt_epi32(_mm_set1_epi32((n / 2) as i32), _mm_setr_epi32(0, 1, 2, 3));
+    _mm_maskstore_epi32(p.cast(), pairs, h);
+    if n % 2 == 1 {
+        let b = (2 * (n - 1)) as i16;
+        let lane = _mm_shuffle_epi8(h, _mm_set1_epi16(b | ((b + 1) << 8)));
+        p.add(n - 1).write_unaligned(_mm_cvtsi128_si32(lane) as u16);
+    }
+}
+
 impl Simd<f32> for Avx2 {
     const LANES: usize = L;
     type V = __m256;
 
     // SAFETY (every method): an `Avx2` token exists only inside `run`, whose caller
-    // guarantees the features; slice lengths are checked before each pointer access.
+    // guarantees the features; slice lengths are checked before each pointer access,
+    // and the `*_ptr` methods pass their callers' guarantees on.
     #[inline(always)]
     fn splat(self, v: f32) -> __m256 {
         unsafe { _mm256_set1_ps(v) }
@@ -83,9 +125,8 @@ impl Simd<f32> for Avx2 {
         a.iter().map(|&x| x as f64).sum()
     }
     #[inline(always)]
-    fn load<T: Element<Stat = f32>>(self, src: &[T]) -> __m256 {
-        assert!(src.len() >= L);
-        let p = src.as_ptr();
+    unsafe fn load_ptr<T: Element<Stat = f32>>(self, p: *const T) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
@@ -95,16 +136,8 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
-    fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m256 {
-        let mut buf = [T::default(); L];
-        let n = src.len().min(L);
-        buf[..n].copy_from_slice(&src[..n]);
-        self.load(&buf[..])
-    }
-    #[inline(always)]
-    fn store<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m256) {
-        assert!(dst.len() >= L);
-        let p = dst.as_mut_ptr();
+    unsafe fn store_ptr<T: Element<Stat = f32>>(self, p: *mut T, v: __m256) {
+        // SAFETY: the caller guarantees 8 writable elements at `p`.
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<RNE>(v)),
@@ -114,24 +147,38 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
-    fn store_partial<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m256) {
-        let mut buf = [T::default(); L];
-        self.store(&mut buf[..], v);
-        let n = dst.len().min(L);
-        dst[..n].copy_from_slice(&buf[..n]);
-    }
-    #[inline(always)]
-    fn stream<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m256) {
-        assert!(dst.len() >= L);
-        let p = dst.as_mut_ptr();
-        if !(p as usize).is_multiple_of(L * std::mem::size_of::<T>()) {
-            return self.store(dst, v);
-        }
+    unsafe fn stream_ptr<T: Element<Stat = f32>>(self, p: *mut T, v: __m256) {
+        // SAFETY: the caller guarantees 8 writable elements at `p`, aligned to 8 elements
+        // (16 or 32 bytes, what the non-temporal stores need).
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm_stream_si128(p.cast(), _mm256_cvtps_ph::<RNE>(v)),
                 DType::BF16 => _mm_stream_si128(p.cast(), to_bf16(v)),
                 _ => _mm256_stream_ps(p.cast(), v),
+            }
+        }
+    }
+    #[inline(always)]
+    fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m256 {
+        let (p, n) = (src.as_ptr(), src.len().min(L));
+        // SAFETY: masked loads touch only the first `n` elements, all inside `src`.
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_cvtph_ps(load_partial_16(p.cast(), n)),
+                DType::BF16 => from_bf16(load_partial_16(p.cast(), n)),
+                _ => _mm256_maskload_ps(p.cast(), lane_mask(n)),
+            }
+        }
+    }
+    #[inline(always)]
+    fn store_partial<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m256) {
+        let (p, n) = (dst.as_mut_ptr(), dst.len().min(L));
+        // SAFETY: masked stores write only the first `n` elements, all inside `dst`.
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => store_partial_16(p.cast(), n, _mm256_cvtps_ph::<RNE>(v)),
+                DType::BF16 => store_partial_16(p.cast(), n, to_bf16(v)),
+                _ => _mm256_maskstore_ps(p.cast(), lane_mask(n), v),
             }
         }
     }

@@ -89,14 +89,36 @@ impl Simd<f32> for Avx512 {
         a.iter().map(|&x| x as f64).sum()
     }
     #[inline(always)]
-    fn load<T: Element<Stat = f32>>(self, src: &[T]) -> __m512 {
-        assert!(src.len() >= L);
-        let p = src.as_ptr();
+    unsafe fn load_ptr<T: Element<Stat = f32>>(self, p: *const T) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable elements at `p`.
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
                 DType::BF16 => from_bf16(_mm256_loadu_si256(p.cast())),
                 _ => _mm512_loadu_ps(p.cast()),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_ptr<T: Element<Stat = f32>>(self, p: *mut T, v: __m512) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`.
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_storeu_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
+                DType::BF16 => _mm256_storeu_si256(p.cast(), to_bf16(v)),
+                _ => _mm512_storeu_ps(p.cast(), v),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn stream_ptr<T: Element<Stat = f32>>(self, p: *mut T, v: __m512) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 16
+        // elements (32 or 64 bytes, what the non-temporal stores need).
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => _mm256_stream_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
+                DType::BF16 => _mm256_stream_si256(p.cast(), to_bf16(v)),
+                _ => _mm512_stream_ps(p.cast(), v),
             }
         }
     }
@@ -112,18 +134,6 @@ impl Simd<f32> for Avx512 {
         }
     }
     #[inline(always)]
-    fn store<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
-        assert!(dst.len() >= L);
-        let p = dst.as_mut_ptr();
-        unsafe {
-            match T::DTYPE {
-                DType::F16 => _mm256_storeu_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
-                DType::BF16 => _mm256_storeu_si256(p.cast(), to_bf16(v)),
-                _ => _mm512_storeu_ps(p.cast(), v),
-            }
-        }
-    }
-    #[inline(always)]
     fn store_partial<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
         let (p, m) = (dst.as_mut_ptr(), mask(dst.len().min(L)));
         unsafe {
@@ -131,21 +141,6 @@ impl Simd<f32> for Avx512 {
                 DType::F16 => _mm256_mask_storeu_epi16(p.cast(), m, _mm512_cvtps_ph::<RNE>(v)),
                 DType::BF16 => _mm256_mask_storeu_epi16(p.cast(), m, to_bf16(v)),
                 _ => _mm512_mask_storeu_ps(p.cast(), m, v),
-            }
-        }
-    }
-    #[inline(always)]
-    fn stream<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
-        assert!(dst.len() >= L);
-        let p = dst.as_mut_ptr();
-        if !(p as usize).is_multiple_of(L * std::mem::size_of::<T>()) {
-            return self.store(dst, v);
-        }
-        unsafe {
-            match T::DTYPE {
-                DType::F16 => _mm256_stream_si256(p.cast(), _mm512_cvtps_ph::<RNE>(v)),
-                DType::BF16 => _mm256_stream_si256(p.cast(), to_bf16(v)),
-                _ => _mm512_stream_ps(p.cast(), v),
             }
         }
     }

@@ -199,18 +199,56 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     fn mask_positive(self, m: Self::V, v: Self::V) -> Self::V;
     /// The lanes summed in `f64`, lane 0 first.
     fn sum_f64(self, v: Self::V) -> f64;
+    /// Loads `LANES` elements from `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `LANES` elements.
+    unsafe fn load_ptr<T: Element<Stat = U>>(self, p: *const T) -> Self::V;
+    /// Stores `LANES` elements at `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `LANES` elements.
+    unsafe fn store_ptr<T: Element<Stat = U>>(self, p: *mut T, v: Self::V);
+    /// Stores `LANES` elements at `p`, bypassing the cache (non-temporal) where the ISA
+    /// can. Callers issue [`Simd::fence`] before the data is read by another thread.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `LANES` elements and aligned to `LANES` elements.
+    unsafe fn stream_ptr<T: Element<Stat = U>>(self, p: *mut T, v: Self::V) {
+        // SAFETY: the caller's guarantee covers an ordinary store.
+        unsafe { self.store_ptr(p, v) }
+    }
     /// Loads `LANES` elements (`src.len() >= LANES`).
-    fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V;
+    #[inline(always)]
+    fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V {
+        assert!(src.len() >= Self::LANES);
+        // SAFETY: checked just above.
+        unsafe { self.load_ptr(src.as_ptr()) }
+    }
     /// Loads `src.len() < LANES` elements, zero in the other lanes.
     fn load_partial<T: Element<Stat = U>>(self, src: &[T]) -> Self::V;
     /// Stores `LANES` elements (`dst.len() >= LANES`).
-    fn store<T: Element<Stat = U>>(self, dst: &mut [T], v: Self::V);
+    #[inline(always)]
+    fn store<T: Element<Stat = U>>(self, dst: &mut [T], v: Self::V) {
+        assert!(dst.len() >= Self::LANES);
+        // SAFETY: checked just above.
+        unsafe { self.store_ptr(dst.as_mut_ptr(), v) }
+    }
     /// Stores the first `dst.len() < LANES` lanes.
     fn store_partial<T: Element<Stat = U>>(self, dst: &mut [T], v: Self::V);
     /// Stores `LANES` elements, bypassing the cache when `dst` is suitably aligned.
     /// Callers issue [`Simd::fence`] before the data is read by another thread.
+    #[inline(always)]
     fn stream<T: Element<Stat = U>>(self, dst: &mut [T], v: Self::V) {
-        self.store(dst, v)
+        assert!(dst.len() >= Self::LANES);
+        let p = dst.as_mut_ptr();
+        if (p as usize).is_multiple_of(Self::LANES * std::mem::size_of::<T>()) {
+            // SAFETY: length checked above, alignment just now.
+            unsafe { self.stream_ptr(p, v) }
+        } else {
+            // SAFETY: length checked above.
+            unsafe { self.store_ptr(p, v) }
+        }
     }
     /// Orders preceding streaming stores before later stores.
     fn fence(self) {}
@@ -229,20 +267,6 @@ pub(crate) fn splat_n<U: Copy, S: Simd<U>, const N: usize>(s: S, v: [U; N]) -> [
     let mut out = [s.splat(v[0]); N];
     for i in 1..N {
         out[i] = s.splat(v[i]);
-    }
-    out
-}
-
-/// `[load(src[0][at..]), load(src[1][at..]), …]`.
-#[inline(always)]
-pub(crate) fn load_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
-    s: S,
-    src: &[&[T]; N],
-    at: usize,
-) -> [S::V; N] {
-    let mut out = [s.load(&src[0][at..]); N];
-    for i in 1..N {
-        out[i] = s.load(&src[i][at..]);
     }
     out
 }
@@ -291,6 +315,140 @@ pub(crate) fn store_len<U, S: Simd<U>, T: Element<Stat = U>>(
         s.store(&mut out[at..], v)
     } else {
         s.store_partial(&mut out[at..at + len], v)
+    }
+}
+
+/// `N` inputs of (at least) one length, read one whole vector at a time with the bounds
+/// proved once, in [`Reads::new`] — the split-once style of the hot loops: a loop
+/// `for j in 0..r.vectors()` carries no per-load check and no pointer reloads. What is
+/// left after the whole vectors (fewer than `LANES` elements) is [`Reads::tail`], for the
+/// masked partial loads.
+#[derive(Clone, Copy)]
+pub(crate) struct Reads<'a, T, const N: usize> {
+    ins: [*const T; N],
+    vectors: usize,
+    lanes: usize,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a [T]>,
+}
+
+impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
+    /// The first `len` elements of each input (each at least that long), in vectors of
+    /// `lanes`.
+    #[inline(always)]
+    pub fn new(lanes: usize, ins: [&'a [T]; N], len: usize) -> Self {
+        for x in &ins {
+            assert!(x.len() >= len, "an input shorter than the run");
+        }
+        Reads {
+            ins: ins.map(|x| x.as_ptr()),
+            vectors: len / lanes.max(1),
+            lanes,
+            len,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Whole vectors.
+    #[inline(always)]
+    pub fn vectors(&self) -> usize {
+        self.vectors
+    }
+
+    /// Vector `j` of every input.
+    #[inline(always)]
+    pub fn load<S: Simd<T::Stat>>(&self, s: S, j: usize) -> [S::V; N] {
+        assert!(j < self.vectors && S::LANES == self.lanes);
+        let at = j * self.lanes;
+        // SAFETY: `(j + 1)·lanes <= len` and every input holds at least `len` elements
+        // (checked in `new`); the borrow lives as long as `self`.
+        let first = unsafe { s.load_ptr(self.ins[0].add(at)) };
+        let mut out = [first; N];
+        // Unrolled by hand with constant indices (N ≤ 4 here): a loop over the array
+        // kept it in memory instead of registers.
+        assert!(N <= 4);
+        macro_rules! lane {
+            ($i:literal) => {
+                if let (Some(o), Some(p)) = (out.get_mut($i), self.ins.get($i)) {
+                    // SAFETY: as above.
+                    *o = unsafe { s.load_ptr(p.add(at)) };
+                }
+            };
+        }
+        lane!(1);
+        lane!(2);
+        lane!(3);
+        out
+    }
+
+    /// The elements after the whole vectors: `(first index, count < LANES)`.
+    #[inline(always)]
+    pub fn tail(&self) -> (usize, usize) {
+        let at = self.vectors * self.lanes;
+        (at, self.len - at)
+    }
+}
+
+/// [`Reads`] of `N` inputs plus one output of the run's length, written one whole
+/// vector at a time.
+pub(crate) struct Walk<'a, T, const N: usize> {
+    /// The inputs.
+    pub reads: Reads<'a, T, N>,
+    out: *mut T,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
+    /// The walk over `out` and the first `out.len()` elements of each input.
+    #[inline(always)]
+    pub fn new(lanes: usize, ins: [&'a [T]; N], out: &'a mut [T]) -> Self {
+        Walk {
+            reads: Reads::new(lanes, ins, out.len()),
+            out: out.as_mut_ptr(),
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Whole vectors.
+    #[inline(always)]
+    pub fn vectors(&self) -> usize {
+        self.reads.vectors
+    }
+
+    /// Whether the output is aligned to whole vectors (so it may be streamed).
+    #[inline(always)]
+    pub fn aligned(&self) -> bool {
+        (self.out as usize).is_multiple_of(self.reads.lanes * std::mem::size_of::<T>())
+    }
+
+    /// Vector `j` of every input.
+    #[inline(always)]
+    pub fn load<S: Simd<T::Stat>>(&self, s: S, j: usize) -> [S::V; N] {
+        self.reads.load(s, j)
+    }
+
+    /// Writes vector `j` of the output; non-temporal when `STREAM` (which needs
+    /// [`Walk::aligned`]).
+    #[inline(always)]
+    pub fn store<S: Simd<T::Stat>, const STREAM: bool>(&mut self, s: S, j: usize, v: S::V) {
+        assert!(j < self.reads.vectors && S::LANES == self.reads.lanes);
+        // SAFETY: `(j + 1)·lanes <= len = out.len()`, and the output is borrowed mutably
+        // for the life of `self`; streaming is asked for only after `aligned()`.
+        unsafe {
+            let p = self.out.add(j * self.reads.lanes);
+            if STREAM {
+                debug_assert!(self.aligned());
+                s.stream_ptr(p, v)
+            } else {
+                s.store_ptr(p, v)
+            }
+        }
+    }
+
+    /// The elements after the whole vectors: `(first index, count < LANES)`.
+    #[inline(always)]
+    pub fn tail(&self) -> (usize, usize) {
+        self.reads.tail()
     }
 }
 
@@ -363,7 +521,9 @@ mod tests {
     fn check<T: Element<Stat = f32> + PartialEq>(to_bits: fn(T) -> u16) {
         let src = awkward();
         for isa in Isa::supported() {
-            for len in [src.len(), 13, 1] {
+            // Every tail length of every ISA (16 lanes at most), and a long run.
+            let lens = (0..=33).chain([src.len()]);
+            for len in lens {
                 let src = &src[..len];
                 let mut out = vec![T::default(); len];
                 let mut back = vec![0f32; len];
@@ -389,6 +549,51 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Writes `v` partially into `buf[1..1 + n]` on one ISA.
+    struct Partial<'a, T> {
+        buf: &'a mut [T],
+        n: usize,
+        src: &'a [T],
+    }
+
+    impl<T: Element<Stat = f32>> Kernel<f32> for Partial<'_, T> {
+        type Output = Vec<f32>;
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) -> Vec<f32> {
+            let v = s.load_partial(&self.src[..self.n]);
+            s.store_partial(&mut self.buf[1..1 + self.n], v);
+            let mut lanes = vec![0f32; S::LANES];
+            s.store(&mut lanes, v);
+            lanes
+        }
+    }
+
+    fn partial_bounds<T: Element<Stat = f32> + PartialEq + std::fmt::Debug>() {
+        let sentinel = T::narrow(-7.0);
+        for isa in Isa::supported() {
+            let lanes = if isa == Isa::Avx512 { 16 } else { 8 };
+            for n in 0..lanes {
+                let src: Vec<T> = (0..n).map(|i| T::narrow(i as f32 + 1.0)).collect();
+                let mut buf = vec![sentinel; 18];
+                let got = isa.run(Partial { buf: &mut buf, n, src: &src });
+                assert_eq!(buf[0], sentinel, "{isa} n={n}: wrote before the slice");
+                assert_eq!(&buf[1..1 + n], &src[..], "{isa} n={n}");
+                assert!(buf[1 + n..].iter().all(|&b| b == sentinel), "{isa} n={n}: wrote past the slice");
+                for (i, l) in got.iter().enumerate() {
+                    let want = if i < n { i as f32 + 1.0 } else { 0.0 };
+                    assert_eq!(*l, want, "{isa} n={n}: lane {i} of a partial load");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn partial_loads_and_stores_touch_only_their_elements() {
+        partial_bounds::<f32>();
+        partial_bounds::<f16>();
+        partial_bounds::<bf16>();
     }
 
     #[test]

@@ -49,9 +49,16 @@ impl<U: Real> Simd<U> for Portable {
         v.iter().map(|x| x.to_f64()).sum()
     }
     #[inline(always)]
-    fn load<T: Element<Stat = U>>(self, src: &[T]) -> [U; L] {
-        let src = &src[..L];
-        std::array::from_fn(|i| src[i].widen())
+    unsafe fn load_ptr<T: Element<Stat = U>>(self, p: *const T) -> [U; L] {
+        // SAFETY: the caller guarantees L readable elements at `p`.
+        std::array::from_fn(|i| unsafe { p.add(i).read() }.widen())
+    }
+    #[inline(always)]
+    unsafe fn store_ptr<T: Element<Stat = U>>(self, p: *mut T, v: [U; L]) {
+        for (i, x) in v.into_iter().enumerate() {
+            // SAFETY: the caller guarantees L writable elements at `p`.
+            unsafe { p.add(i).write(T::narrow(x)) };
+        }
     }
     #[inline(always)]
     fn load_partial<T: Element<Stat = U>>(self, src: &[T]) -> [U; L] {
@@ -60,12 +67,6 @@ impl<U: Real> Simd<U> for Portable {
             *d = s.widen();
         }
         v
-    }
-    #[inline(always)]
-    fn store<T: Element<Stat = U>>(self, dst: &mut [T], v: [U; L]) {
-        for (d, s) in dst[..L].iter_mut().zip(v) {
-            *d = T::narrow(s);
-        }
     }
     #[inline(always)]
     fn store_partial<T: Element<Stat = U>>(self, dst: &mut [T], v: [U; L]) {
