@@ -186,7 +186,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                     *v = k[ch];
                 }
                 let k = splat_n(s, kv);
-                run_splat(s, ins, out, k, self.stream, &self.f);
+                run_splat(s, ins, out, k, self.stream, &self.f, None);
             }
         }
         if self.stream {
@@ -208,8 +208,8 @@ pub(crate) fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
     }
 }
 
-
-/// One contiguous run with the same constants everywhere.
+/// One contiguous run with the same constants everywhere; `prefetch`: data to bring
+/// into L2 meanwhile (see [`splat_body`]).
 #[inline(always)]
 pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     s: S,
@@ -218,6 +218,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     k: [S::V; K],
     stream: bool,
     f: &F,
+    prefetch: Option<&[T]>,
 ) where
     U: Real,
     S: Simd<U>,
@@ -233,10 +234,23 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
-        if stream && w.aligned() {
-            splat_body::<U, S, T, F, N, K, true>(s, &mut w, k, f);
-        } else {
-            splat_body::<U, S, T, F, N, K, false>(s, &mut w, k, f);
+        match (stream && w.aligned(), prefetch) {
+            (true, None) => splat_body::<U, S, T, F, N, K, true, false>(s, &mut w, k, f, None),
+            (false, None) => splat_body::<U, S, T, F, N, K, false, false>(s, &mut w, k, f, None),
+            (true, Some(p)) => splat_body::<U, S, T, F, N, K, true, true>(
+                s,
+                &mut w,
+                k,
+                f,
+                Some(&p[head.min(p.len())..]),
+            ),
+            (false, Some(p)) => splat_body::<U, S, T, F, N, K, false, true>(
+                s,
+                &mut w,
+                k,
+                f,
+                Some(&p[head.min(p.len())..]),
+            ),
         }
         w.tail()
     };
@@ -246,19 +260,36 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
+/// The whole vectors of a run; with `PREFETCH`, also a prefetch of the same position of
+/// `next` (the next channel's data in a resident pass) per vector, so its DRAM reads
+/// overlap this run's arithmetic and stores.
 #[inline(always)]
-fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>(
+fn splat_body<
+    U,
+    S,
+    T,
+    F,
+    const N: usize,
+    const K: usize,
+    const STREAM: bool,
+    const PREFETCH: bool,
+>(
     s: S,
     w: &mut Walk<'_, T, N>,
     k: [S::V; K],
     f: &F,
+    next: Option<&[T]>,
 ) where
     U: Real,
     S: Simd<U>,
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
+    let pf = next.map_or(std::ptr::null(), |p| p.as_ptr());
     for j in 0..w.vectors() {
+        if PREFETCH {
+            s.prefetch_ptr(pf.wrapping_add(j * S::LANES));
+        }
         let v = f.eval(s, w.load(s, j), k);
         w.store::<S, STREAM>(s, j, v);
     }

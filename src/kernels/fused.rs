@@ -89,6 +89,17 @@ fn row_of<'a, T, const N: usize>(
     ins.map(|x| &x[off..][..g.inner])
 }
 
+/// Row `o` of channel `c + 1` of `x` (channel-major), the data a resident pass over
+/// channel `c` prefetches; `None` for the last channel.
+#[inline(always)]
+fn next_channel_row<'a, T>(g: &Geometry, x: &'a [T], c: usize, o: usize) -> Option<&'a [T]> {
+    if c + 1 < g.channels {
+        Some(&x[(o * g.channels + c + 1) * g.inner..][..g.inner])
+    } else {
+        None
+    }
+}
+
 /// Forward training over a group of L2-resident channels: for each channel, its
 /// moments (from `ins[0]`, which is x), then the output from the still-cached rows.
 struct ResidentForward<'a, T: Element, C, F, const N: usize> {
@@ -116,7 +127,16 @@ where
             let m = stats::channel_rows_in(s, g, self.ins[0], c, 0, g.outer);
             let k = splat_n(s, (self.coeffs)(c, m));
             for (o, y) in rows.into_iter().enumerate() {
-                run_splat(s, row_of(g, &self.ins, c, o), y, k, self.stream, &self.f);
+                let next = next_channel_row(g, self.ins[0], c, o);
+                run_splat(
+                    s,
+                    row_of(g, &self.ins, c, o),
+                    y,
+                    k,
+                    self.stream,
+                    &self.f,
+                    next,
+                );
             }
             out.push(m);
         }
@@ -158,7 +178,18 @@ where
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for (o, dx) in rows.into_iter().enumerate() {
-                run_splat(s, row_of(g, &self.ins, c, o), dx, k, self.stream, &self.f);
+                // One prefetch per vector: x of the next channel (dy's rows come from
+                // the hardware prefetcher when the channel's reduction starts).
+                let next = next_channel_row(g, self.ins[1], c, o);
+                run_splat(
+                    s,
+                    row_of(g, &self.ins, c, o),
+                    dx,
+                    k,
+                    self.stream,
+                    &self.f,
+                    next,
+                );
             }
             out.push((sdy, sdx));
         }

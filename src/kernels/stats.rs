@@ -10,7 +10,7 @@
 //! sums never cancel by more than a factor of two, even when |mean| ≫ std. The choice
 //! depends only on the data, so results stay deterministic.
 
-use super::simd::{Dispatch, Isa, Kernel, Simd};
+use super::simd::{Dispatch, Isa, Kernel, Reads, Simd};
 use super::{
     channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
     ChannelMajorSplit, ChannelTask, Geometry,
@@ -151,26 +151,28 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
     pieces: impl Iterator<Item = &'a [T]>,
     k: U,
 ) -> (f64, f64) {
-    let l = S::LANES;
     let (kv, zero) = (s.splat(k), s.splat(U::ZERO));
     let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
     let (mut t1, mut t2) = (0f64, 0f64);
     for p in pieces {
-        let mut pairs = p.chunks_exact(2 * l);
-        for c in &mut pairs {
-            let (d, e) = (s.sub(s.load(c), kv), s.sub(s.load(&c[l..]), kv));
+        let r = Reads::new(S::LANES, [p], p.len());
+        let pairs = r.vectors() / 2;
+        for i in 0..pairs {
+            let ([a], [b]) = (r.load(s, 2 * i), r.load(s, 2 * i + 1));
+            let (d, e) = (s.sub(a, kv), s.sub(b, kv));
             s1 = s.add(s1, d);
             s2 = s.mul_add(d, d, s2);
             r1 = s.add(r1, e);
             r2 = s.mul_add(e, e, r2);
         }
-        let mut chunks = pairs.remainder().chunks_exact(l);
-        for c in &mut chunks {
-            let d = s.sub(s.load(c), kv);
+        if r.vectors() % 2 == 1 {
+            let [a] = r.load(s, r.vectors() - 1);
+            let d = s.sub(a, kv);
             s1 = s.add(s1, d);
             s2 = s.mul_add(d, d, s2);
         }
-        for v in chunks.remainder() {
+        let (at, _) = r.tail();
+        for v in &p[at..] {
             let d = v.widen() - k;
             t1 += d.to_f64();
             t2 += (d * d).to_f64();
@@ -222,22 +224,23 @@ fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
     pieces: impl Iterator<Item = &'a [T]> + Clone,
     n: usize,
 ) -> Moments {
-    let l = S::LANES;
     let zero = s.splat(U::ZERO);
     let (mut a0, mut a1) = (zero, zero);
     for p in pieces.clone() {
-        let mut pairs = p.chunks_exact(2 * l);
-        for c in &mut pairs {
-            a0 = s.add(a0, s.load(c));
-            a1 = s.add(a1, s.load(&c[l..]));
+        let r = Reads::new(S::LANES, [p], p.len());
+        let pairs = r.vectors() / 2;
+        for i in 0..pairs {
+            let ([a], [b]) = (r.load(s, 2 * i), r.load(s, 2 * i + 1));
+            a0 = s.add(a0, a);
+            a1 = s.add(a1, b);
         }
-        let mut r = pairs.remainder();
-        if r.len() >= l {
-            a0 = s.add(a0, s.load(r));
-            r = &r[l..];
+        if r.vectors() % 2 == 1 {
+            let [a] = r.load(s, r.vectors() - 1);
+            a0 = s.add(a0, a);
         }
-        if !r.is_empty() {
-            a1 = s.add(a1, s.load_partial(r));
+        let (at, len) = r.tail();
+        if len > 0 {
+            a1 = s.add(a1, s.load_partial(&p[at..]));
         }
     }
     let pivot = U::from_f64((s.sum_f64(a0) + s.sum_f64(a1)) / n as f64);
@@ -309,12 +312,16 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
 /// `a[g] += px[g·L..]` for every channel group of one pixel (the last group partial).
 #[inline(always)]
 fn accumulate<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, px: &[T], a: &mut [S::V]) {
-    let (l, full) = (S::LANES, px.len() / S::LANES);
-    for g in 0..full {
-        a[g] = s.add(a[g], s.load(&px[g * l..]));
+    let r = Reads::new(S::LANES, [px], px.len());
+    let a = &mut a[..r.vectors() + usize::from(r.tail().1 > 0)];
+    for g in 0..r.vectors() {
+        let [v] = r.load(s, g);
+        a[g] = s.add(a[g], v);
     }
-    if full < a.len() {
-        a[full] = s.add(a[full], s.load_partial(&px[full * l..]));
+    let (at, n) = r.tail();
+    if n > 0 {
+        let g = r.vectors();
+        a[g] = s.add(a[g], s.load_partial(&px[at..]));
     }
 }
 
@@ -338,11 +345,14 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let v2 = &mut rest[..sets * groups];
     v1.fill(zero);
     v2.fill(zero);
+    let pivot = &pivot[..groups];
     for (i, px) in tile.chunks_exact(c).enumerate() {
         let k = (i % sets) * groups;
         let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
-        for g in 0..full {
-            let d = s.sub(s.load(&px[g * l..]), pivot[g]);
+        let r = Reads::new(l, [px], c);
+        for g in 0..r.vectors().min(groups) {
+            let [v] = r.load(s, g);
+            let d = s.sub(v, pivot[g]);
             a[g] = s.add(a[g], d);
             b[g] = s.mul_add(d, d, b[g]);
         }

@@ -151,7 +151,13 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     fn prefetch<T>(self, data: &[T]) {
         if !data.is_empty() {
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(data.as_ptr().cast()) }
+            self.prefetch_ptr(data.as_ptr());
         }
+    }
+    #[inline(always)]
+    fn prefetch_ptr<T>(self, p: *const T) {
+        // SAFETY: a prefetch is a hint: it never faults and reads nothing observable,
+        // whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
     }
 }

@@ -255,6 +255,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     /// Hints that the cache line holding `data[0]` will be read soon (into L2). A
     /// hint only: no effect on results; empty slices are ignored.
     fn prefetch<T>(self, _data: &[T]) {}
+    /// Hints that the cache line at `p` will be read soon (into L2). A hint only: any
+    /// address is allowed (nothing is read, nothing faults).
+    fn prefetch_ptr<T>(self, _p: *const T) {}
 }
 
 // Array helpers for kernels with several inputs or constants. Plain loops, not
@@ -577,10 +580,17 @@ mod tests {
             for n in 0..lanes {
                 let src: Vec<T> = (0..n).map(|i| T::narrow(i as f32 + 1.0)).collect();
                 let mut buf = vec![sentinel; 18];
-                let got = isa.run(Partial { buf: &mut buf, n, src: &src });
+                let got = isa.run(Partial {
+                    buf: &mut buf,
+                    n,
+                    src: &src,
+                });
                 assert_eq!(buf[0], sentinel, "{isa} n={n}: wrote before the slice");
                 assert_eq!(&buf[1..1 + n], &src[..], "{isa} n={n}");
-                assert!(buf[1 + n..].iter().all(|&b| b == sentinel), "{isa} n={n}: wrote past the slice");
+                assert!(
+                    buf[1 + n..].iter().all(|&b| b == sentinel),
+                    "{isa} n={n}: wrote past the slice"
+                );
                 for (i, l) in got.iter().enumerate() {
                     let want = if i < n { i as f32 + 1.0 } else { 0.0 };
                     assert_eq!(*l, want, "{isa} n={n}: lane {i} of a partial load");
