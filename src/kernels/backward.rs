@@ -79,6 +79,7 @@ pub fn reduce<T: Element>(
                     x: &x[range],
                     mean,
                     dx: None,
+                    stream: false,
                     sums: &mut sums,
                 },
             );
@@ -311,6 +312,8 @@ pub(crate) struct PixelSums<'a, T: Element> {
     pub x: &'a [T],
     pub mean: &'a [T::Stat],
     pub dx: Option<(&'a mut [T], &'a [T::Stat])>,
+    /// Write `dx` with non-temporal stores (where a pixel is vector-aligned).
+    pub stream: bool,
     pub sums: &'a mut BackwardSums,
 }
 
@@ -318,13 +321,36 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) {
-        let (dy, x) = (self.dy, self.x);
+        let (dy, x, st) = (self.dy, self.x, self.stream);
         match (self.mask, self.dx) {
-            (None, None) => pixel_sums(s, [dy, x], self.mean, None, self.sums),
-            (Some(y), None) => pixel_sums(s, [dy, x, y], self.mean, None, self.sums),
-            (None, Some(o)) => pixel_sums(s, [dy, x], self.mean, Some(o), self.sums),
-            (Some(y), Some(o)) => pixel_sums(s, [dy, x, y], self.mean, Some(o), self.sums),
+            (None, None) => pixel_sums(s, [dy, x], self.mean, None, false, self.sums),
+            (Some(y), None) => pixel_sums(s, [dy, x, y], self.mean, None, false, self.sums),
+            (None, Some(o)) => pixel_sums(s, [dy, x], self.mean, Some(o), st, self.sums),
+            (Some(y), Some(o)) => pixel_sums(s, [dy, x, y], self.mean, Some(o), st, self.sums),
         }
+        if st {
+            s.fence();
+        }
+    }
+}
+
+/// The whole vectors of one pixel: sums into `a`, `b` and `dx = dy·k1`.
+#[inline(always)]
+fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    consts: &Reads<'_, U, 2>,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let (a, b) = (&mut a[..w.vectors()], &mut b[..w.vectors()]);
+    for g in 0..w.vectors() {
+        let v = w.load(s, g);
+        let d = grad_of(s, &v);
+        let [mv, kv] = consts.load(s, g);
+        a[g] = s.add(a[g], d);
+        b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
+        w.store::<S, STREAM>(s, g, s.mul(d, kv));
     }
 }
 
@@ -335,6 +361,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     ins: [&[T]; N],
     mean: &[U],
     mut dx: Option<(&mut [T], &[U])>,
+    stream: bool,
     sums: &mut BackwardSums,
 ) {
     let (l, c) = (S::LANES, mean.len());
@@ -380,13 +407,10 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
-                        for g in 0..w.vectors() {
-                            let v = w.load(s, g);
-                            let d = grad_of(s, &v);
-                            let [mv, kv] = consts.load(s, g);
-                            a[g] = s.add(a[g], d);
-                            b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
-                            w.store::<S, false>(s, g, s.mul(d, kv));
+                        if stream && w.aligned() {
+                            pixel_out::<U, S, T, N, true>(s, &mut w, &consts, &mut a, &mut b);
+                        } else {
+                            pixel_out::<U, S, T, N, false>(s, &mut w, &consts, &mut a, &mut b);
                         }
                         w.tail()
                     };

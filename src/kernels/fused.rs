@@ -248,7 +248,7 @@ where
     C: Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
     F: VectorFn<N, 3> + Copy + Send + Sync,
 {
-    let stream = g.stream(size_of::<T>());
+    let stream = g.stream_resident(size_of::<T>());
     map_items(g, channel_groups(g, y), |_, (c0, rows)| {
         T::Stat::dispatch(
             isa,
@@ -312,7 +312,7 @@ where
     C: Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
     F: VectorFn<N, 4> + Copy + Send + Sync,
 {
-    let stream = g.stream(size_of::<T>());
+    let stream = g.stream_resident(size_of::<T>());
     map_items(g, channel_groups(g, dx), |_, (c0, rows)| {
         T::Stat::dispatch(
             isa,
@@ -347,6 +347,7 @@ pub fn backward_inference<T: Element>(
 ) -> BackwardSums {
     let c = g.channels;
     if g.channels_last() {
+        let stream = g.stream(size_of::<T>());
         let ppt = pixels_per_reduce_task(c);
         let chunks: Vec<&mut [T]> = dx.chunks_mut(ppt * c).collect();
         let partials = map_items(g, chunks, |t, out| {
@@ -360,6 +361,7 @@ pub fn backward_inference<T: Element>(
                     x: &x[range],
                     mean,
                     dx: Some((out, k1)),
+                    stream,
                     sums: &mut sums,
                 },
             );

@@ -314,9 +314,9 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
 fn accumulate<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, px: &[T], a: &mut [S::V]) {
     let r = Reads::new(S::LANES, [px], px.len());
     let a = &mut a[..r.vectors() + usize::from(r.tail().1 > 0)];
-    for g in 0..r.vectors() {
+    for (g, acc) in a.iter_mut().enumerate().take(r.vectors()) {
         let [v] = r.load(s, g);
-        a[g] = s.add(a[g], v);
+        *acc = s.add(*acc, v);
     }
     let (at, n) = r.tail();
     if n > 0 {
