@@ -159,3 +159,74 @@ fn one_huge_image_inference_gradient_sums_exactly() {
         );
     }
 }
+
+/// One channel's NaN, Inf or outlier changes no bit of any other channel's statistics or
+/// output, in every layout (the NHWC statistics once redid a whole tile, all channels,
+/// on the exact path when one channel needed it).
+#[test]
+fn one_channels_outlier_leaves_other_channels_bit_identical() {
+    use fusedbn::{Tensor, TensorData};
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        for dtype in [DType::F32, DType::BF16] {
+            let case = Case::new(Op::FusedBatchNormV3, format, &[4, 37, 41, 19], dtype)
+                .unwrap()
+                .training(true);
+            let inputs = case.inputs().unwrap();
+            let base = case.run(&inputs).unwrap();
+            let p = case.problem().unwrap();
+            let g = *p.geometry();
+            // An element of channel 0 in the middle of the tensor.
+            let at = if format.is_channels_last() {
+                19 * 3000
+            } else {
+                1234
+            };
+            assert_eq!(
+                if g.inner == 1 {
+                    at % g.channels
+                } else {
+                    (at / g.inner) % g.channels
+                },
+                0
+            );
+            for bad in [f64::NAN, f64::INFINITY, 1e6] {
+                let mut changed = inputs.clone();
+                let x = &mut changed[0].1;
+                let (shape, data) = x.clone().into_parts();
+                let data = match data {
+                    TensorData::F32(mut v) => {
+                        v[at] = bad as f32;
+                        TensorData::F32(v)
+                    }
+                    TensorData::BF16(mut v) => {
+                        v[at] = fusedbn::bf16::from_f64(bad);
+                        TensorData::BF16(v)
+                    }
+                    other => other,
+                };
+                *x = Tensor::from_data(shape, data).unwrap();
+                let out = case.run(&changed).unwrap();
+                for name in ["batch_mean", "batch_variance", "y"] {
+                    let (a, b) = (
+                        base.get(name).unwrap().to_f64_vec(),
+                        out.get(name).unwrap().to_f64_vec(),
+                    );
+                    for i in 0..a.len() {
+                        let ch = if name == "y" {
+                            if g.inner == 1 {
+                                i % g.channels
+                            } else {
+                                (i / g.inner) % g.channels
+                            }
+                        } else {
+                            i
+                        };
+                        if ch != 0 {
+                            assert_eq!(a[i].to_bits(), b[i].to_bits(), "{format} {dtype} x[{at}] = {bad}: {name}[{i}] (channel {ch}) changed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -297,10 +297,10 @@ pub(crate) fn merge_channel_results<R: Copy>(
 }
 
 /// Pixels per tile in a channels-last reduction: about [`CL_TILE`] elements, at
-/// least 16 pixels (so per-tile merges stay cheap for wide C) and at most 1024 (so no
+/// least 64 pixels (so per-tile work per channel stays cheap for wide C) and at most 1024 (so no
 /// `f32` lane sums more than 1024 values).
 pub(crate) fn pixels_per_tile(c: usize) -> usize {
-    (CL_TILE / c.max(1)).clamp(16, 1024)
+    (CL_TILE / c.max(1)).clamp(64, 1024)
 }
 
 /// Pixels per task in a channels-last reduction: a whole number of tiles.

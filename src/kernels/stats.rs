@@ -72,7 +72,12 @@ impl Moments {
     /// `d = x − pivot` and `d²`.
     #[inline]
     pub(crate) fn from_pivot(count: usize, pivot: f64, s1: f64, s2: f64) -> Moments {
-        let n = count as f64;
+        Self::from_pivot_f64(count as f64, pivot, s1, s2)
+    }
+
+    /// [`Moments::from_pivot`] with the count as `f64`.
+    #[inline]
+    pub(crate) fn from_pivot_f64(n: f64, pivot: f64, s1: f64, s2: f64) -> Moments {
         if !pivot.is_finite() {
             // The tile's sum is ±Inf or NaN: so is its mean, as IEEE sums give it.
             return Moments {
@@ -268,44 +273,87 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let mut pivot = vec![zero; groups];
         let mut acc = vec![zero; 3 * sets * groups];
         let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
+        // Per channel: the f64 sums around the task's pivot (the first tile's mean) of
+        // the tiles accepted so far — plain additions, no division per tile — and the
+        // moments of tiles that had to be redone exactly.
+        let (mut n_acc, mut s1_acc, mut s2_acc) = (vec![0f64; c], vec![0f64; c], vec![0f64; c]);
+        let mut exact = vec![Moments::EMPTY; c];
         let tile_len = pixels_per_tile(c) * c;
+        let mut first = true;
         for tile in self.x.chunks(tile_len) {
             let n = tile.len() / c;
             let (pivots, rest) = lanes.split_at_mut(groups * l);
             let (sum1, sum2) = rest.split_at_mut(groups * l);
-            // One pass around the running means; exact two passes if that cancels.
-            if self.out[0].count > 0.0 {
-                for (p, m) in pivots.iter_mut().zip(self.out.iter()) {
-                    *p = T::Stat::from_f64(m.mean);
+            if first {
+                // The task's pivots: this tile's own means, then its sums around them.
+                first = false;
+                let sums = &mut acc[..sets * groups];
+                sums.fill(zero);
+                for (i, px) in tile.chunks_exact(c).enumerate() {
+                    let a = &mut sums[(i % sets) * groups..][..groups];
+                    accumulate(s, px, a);
                 }
+                let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
                 for (g, p) in pivot.iter_mut().enumerate() {
-                    *p = s.load(&pivots[g * l..]);
-                }
-                deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, sum1, sum2);
-                let ok = (0..c).all(|ch| well_shifted(n, sum1[ch].to_f64(), sum2[ch].to_f64()));
-                if ok {
-                    merge_lanes(self.out, n, pivots, sum1, sum2);
-                    continue;
+                    let mut sum = sums[g];
+                    for k in 1..sets {
+                        sum = s.add(sum, sums[k * groups + g]);
+                    }
+                    *p = s.mul(sum, inv);
+                    s.store(&mut pivots[g * l..], *p);
                 }
             }
-            let sums = &mut acc[..sets * groups];
-            sums.fill(zero);
-            for (i, px) in tile.chunks_exact(c).enumerate() {
-                let a = &mut sums[(i % sets) * groups..][..groups];
-                accumulate(s, px, a);
-            }
-            let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
-            for (g, p) in pivot.iter_mut().enumerate() {
-                let mut sum = sums[g];
-                for k in 1..sets {
-                    sum = s.add(sum, sums[k * groups + g]);
-                }
-                *p = s.mul(sum, inv);
-                s.store(&mut pivots[g * l..], *p);
-            }
+            // One pass around the pivots; a channel whose tile mean lies more than one
+            // std from its pivot (drift, NaN, Inf) is redone exactly on its own, so no
+            // channel's data changes another channel's result.
             deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, sum1, sum2);
-            merge_lanes(self.out, n, pivots, sum1, sum2);
+            for ch in 0..c {
+                let (a, b) = (sum1[ch].to_f64(), sum2[ch].to_f64());
+                if well_shifted(n, a, b) {
+                    n_acc[ch] += n as f64;
+                    s1_acc[ch] += a;
+                    s2_acc[ch] += b;
+                } else {
+                    exact[ch] = exact[ch].merge(channel_exact(tile, c, ch));
+                }
+            }
         }
+        for ch in 0..c {
+            let shifted = if n_acc[ch] > 0.0 {
+                Moments::from_pivot_f64(n_acc[ch], pivots_of(&lanes, ch), s1_acc[ch], s2_acc[ch])
+            } else {
+                Moments::EMPTY
+            };
+            self.out[ch] = self.out[ch].merge(shifted).merge(exact[ch]);
+        }
+    }
+}
+
+/// The pivot of channel `ch` (the first `groups·L` lanes of `lanes`).
+#[inline(always)]
+fn pivots_of<U: Real>(lanes: &[U], ch: usize) -> f64 {
+    lanes[ch].to_f64()
+}
+
+/// Exact moments of channel `ch` of a channels-last tile, in `f64` (the rare fallback).
+fn channel_exact<T: Element>(tile: &[T], c: usize, ch: usize) -> Moments {
+    let values = || tile.iter().skip(ch).step_by(c).map(|v| v.widen().to_f64());
+    let n = values().count();
+    if n == 0 {
+        return Moments::EMPTY;
+    }
+    let mean = values().sum::<f64>() / n as f64;
+    if !mean.is_finite() {
+        return Moments {
+            count: n as f64,
+            mean,
+            m2: f64::NAN,
+        };
+    }
+    Moments {
+        count: n as f64,
+        mean,
+        m2: values().map(|v| (v - mean) * (v - mean)).sum(),
     }
 }
 
@@ -370,15 +418,6 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
         s.store(&mut sum1[g * l..], a);
         s.store(&mut sum2[g * l..], b);
-    }
-}
-
-/// Merges one tile's per-channel sums around `pivots` into `out`.
-#[inline(always)]
-fn merge_lanes<U: Real>(out: &mut [Moments], n: usize, pivots: &[U], sum1: &[U], sum2: &[U]) {
-    for (ch, o) in out.iter_mut().enumerate() {
-        let t = Moments::from_pivot(n, pivots[ch].to_f64(), sum1[ch].to_f64(), sum2[ch].to_f64());
-        *o = o.merge(t);
     }
 }
 
