@@ -512,7 +512,13 @@ pub fn reference(
             let scale = need(vector("scale")?, "scale")?;
             let offset = need(vector("offset")?, "offset")?;
             let side = full("side_input")?.map(|t| gather(t, &g, ch));
-            let (mean, var) = (vector("mean")?, vector("variance")?);
+            // Training with factor 1 reads no running statistics (TensorFlow passes
+            // empty ones): ignore them, as the op does.
+            let (mean, var) = if attrs.is_training && attrs.exponential_avg_factor == 1.0 {
+                (None, None)
+            } else {
+                (vector("mean")?, vector("variance")?)
+            };
             let f = if attrs.is_training {
                 let (mi, vi) = (
                     mean.as_deref().map_or(vec![0.0], at),

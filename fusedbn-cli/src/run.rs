@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use fusedbn::ops::{Attrs, Inputs, Op, Outputs};
-use fusedbn::{npy, DataFormat, Tensor};
+use fusedbn::{driver, npy, DataFormat, Tensor};
 
 use crate::error::{CliError, Result};
 
@@ -35,8 +35,15 @@ pub struct RunArgs {
     pub attrs: Vec<String>,
 
     /// Directory for the outputs, one <output_name>.npy each (created if missing).
-    #[arg(long, value_name = "DIR")]
-    pub out: PathBuf,
+    /// Optional with --check.
+    #[arg(long, value_name = "DIR", required_unless_present = "check")]
+    pub out: Option<PathBuf>,
+
+    /// Compare every output with the f64 reference (the library's driver: SPEC §7's
+    /// tolerance, scaled to the size of the terms) and print how closely each agrees;
+    /// on a value out of tolerance, fail and write nothing.
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// Runs `fusedbn run`.
@@ -44,10 +51,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let op: Op = args.op.parse()?;
     let attrs = parse_attrs(op, &args.attrs)?;
     let inputs = parse_inputs(op, &args.inputs)?;
-    if args.out.exists() && !args.out.is_dir() {
+    if let Some(out) = args.out.as_deref().filter(|o| o.exists() && !o.is_dir()) {
         return Err(CliError::new(format!(
             "--out {}: exists and is not a directory",
-            args.out.display()
+            out.display()
         )));
     }
     let tensors = inputs
@@ -61,7 +68,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
         named.insert(name, t);
     }
     let outputs = op.run(&named, &attrs)?;
-    write_outputs(&args.out, &outputs)
+    if args.check {
+        let want = driver::reference(op, &named, &attrs, None)?;
+        let report =
+            driver::check(&want, &outputs).map_err(|e| CliError::new(format!("--check: {e}")))?;
+        println!(
+            "{op}: every output within tolerance of the f64 reference (worst {:.3} of the tolerance)",
+            report.worst()
+        );
+        println!("{report}");
+    }
+    match &args.out {
+        Some(out) => write_outputs(out, &outputs),
+        None => Ok(()),
+    }
 }
 
 /// Splits `KEY=VALUE`; `what` names the flag for the error message.

@@ -698,3 +698,37 @@ fn bench_rejects_an_isa_this_cpu_lacks() {
         assert!(stderr.contains("does not support"), "{stderr}");
     }
 }
+
+/// `fusedbn run --check` on every golden case: the op's outputs agree with the f64
+/// reference under the driver's tolerance, and nothing is written without `--out`.
+#[test]
+fn check_agrees_with_the_reference_on_every_fixture() {
+    let cases = common::cases();
+    let mut failures = Vec::new();
+    for case in &cases {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("run").arg(case.op.name()).arg("--check");
+        for (name, path) in &case.inputs {
+            cmd.arg("--input").arg(format!("{name}={}", path.display()));
+        }
+        for (k, v) in &case.attr_strings {
+            cmd.arg("--attr").arg(format!("{k}={v}"));
+        }
+        let o = cmd.output().expect("the fusedbn binary runs");
+        let stdout = text(&o.stdout);
+        if !o.status.success() || !stdout.contains("within tolerance of the f64 reference") {
+            failures.push(format!(
+                "{}: {}{}",
+                case.name,
+                stdout.trim(),
+                text(&o.stderr).trim()
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} cases:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
