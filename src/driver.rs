@@ -5,7 +5,7 @@
 //!   `N, spatial…, C` order), the element type and how to fill the inputs;
 //!   [`Case::inputs`] makes them (deterministic, in parallel), [`Case::run`] runs the
 //!   op, [`Case::bytes`] says how many bytes the op must move at least.
-//! - [`reference`]: every output of any op in `f64`, from the op's named inputs, by the
+//! - [`reference()`]: every output of any op in `f64`, from the op's named inputs, by the
 //!   plain loops of [`crate::reference`] — for all channels or a sample of them (each
 //!   channel's results depend only on that channel's data, so a sampled channel is
 //!   checked exactly as in the whole tensor).

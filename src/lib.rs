@@ -26,10 +26,13 @@
 //!   Validates in SPEC §4's order and dispatches on the element type.
 //! - [`batch_norm`] — the typed, zero-copy layer: methods of [`Problem`] over slices,
 //!   generic in the [`Element`] type, writing into caller-owned buffers.
-//! - [`kernels`] — the passes (statistics, apply, backward reduce, backward apply)
-//!   over a per-channel [`kernels::Geometry`]; multithreaded with rayon, results
-//!   independent of the thread count.
+//! - [`kernels`] — the geometry, the instruction sets and (crate-private) the passes:
+//!   statistics, apply, backward reduce, backward apply over a per-channel
+//!   [`kernels::Geometry`]; multithreaded with rayon, results independent of the
+//!   thread count. Only the validated layers above call the passes.
 //! - [`reference`](mod@reference) — the `f64` oracle the tests compare everything against.
+//! - [`driver`] — one problem description for tests, benchmarks and `fusedbn run --check`:
+//!   inputs, reference outputs of any op, one tolerance policy.
 //! - [`npy`] — NumPy `.npy` reading and writing (bfloat16 as numpy + ml_dtypes stores it).
 //!
 //! No input makes the library panic, and an op that returns an error has written no
@@ -53,6 +56,8 @@ pub use element::{Element, Real};
 pub use error::{Error, Result};
 /// The half-precision element types (re-exported from the `half` crate).
 pub use half::{bf16, f16};
+/// The instruction set the kernels run with (also at `fusedbn::kernels::simd::Isa`).
+pub use kernels::simd::Isa;
 pub use problem::{DataFormat, Problem, DEFAULT_EPSILON};
 pub use tensor::{DType, Tensor, TensorData};
 

@@ -5,12 +5,12 @@
 //!
 //! | pass | module | reads | writes |
 //! |---|---|---|---|
-//! | statistics: per-channel mean and M2 | [`stats`] | x | C moments |
-//! | apply: `y = (x − shift)·a + b` | [`apply`] | x | y |
-//! | backward reduce: `Σdy`, `Σdy·(x−μ)` | [`backward`] | dy, x | 2·C sums |
-//! | backward apply: `dx = (dy−dȳ)·k1 + (x−μ)·k2` | [`backward`] | dy, x | dx |
+//! | statistics: per-channel mean and M2 | `stats` | x | C moments |
+//! | apply: `y = (x − shift)·a + b` | `apply` | x | y |
+//! | backward reduce: `Σdy`, `Σdy·(x−μ)` | `backward` | dy, x | 2·C sums |
+//! | backward apply: `dx = (dy−dȳ)·k1 + (x−μ)·k2` | `backward` | dy, x | dx |
 //!
-//! [`fused`] runs them with the fewest trips to memory: in channel-major layouts a
+//! `fused` runs them with the fewest trips to memory: in channel-major layouts a
 //! channel's slice that fits in L2 is reduced and then transformed while it is hot
 //! (forward training: one DRAM read of x; backward: one read of dy and x), and the
 //! inference gradient is a single pass.
@@ -24,12 +24,12 @@
 //!
 //! Kernels do no validation: the op and typed layers check every length first.
 
-pub mod apply;
-pub mod backward;
-pub mod fused;
-pub mod second_order;
+pub(crate) mod apply;
+pub(crate) mod backward;
+pub(crate) mod fused;
+pub(crate) mod second_order;
 pub mod simd;
-pub mod stats;
+pub(crate) mod stats;
 
 use rayon::prelude::*;
 
