@@ -202,6 +202,22 @@ fn grad_of<U: Real, S: Simd<U>, const N: usize>(s: S, v: &[S::V; N]) -> S::V {
     }
 }
 
+/// Folds one vector of `[dy, x(, mask)]` into the sums `a += dy`, `b += dy·(x − m)`;
+/// returns its (masked) dy.
+#[inline(always)]
+fn fold<U: Real, S: Simd<U>, const N: usize>(
+    s: S,
+    v: &[S::V; N],
+    m: S::V,
+    a: &mut S::V,
+    b: &mut S::V,
+) -> S::V {
+    let d = grad_of(s, v);
+    *a = s.add(*a, d);
+    *b = s.mul_add(d, s.sub(v[1], m), *b);
+    d
+}
+
 /// The partial vector `[at, at + len)` of `ins` folded into the sums; returns its dy.
 #[inline(always)]
 fn sums_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
@@ -212,9 +228,9 @@ fn sums_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     m: S::V,
     (a, b): (S::V, S::V),
 ) -> (S::V, (S::V, S::V)) {
-    let v = load_partial_n(s, ins, at, len);
-    let d = grad_of(s, &v);
-    (d, (s.add(a, d), s.mul_add(d, s.sub(v[1], m), b)))
+    let (mut a, mut b) = (a, b);
+    let d = fold(s, &load_partial_n(s, ins, at, len), m, &mut a, &mut b);
+    (d, (a, b))
 }
 
 /// The sums over one run of `ins` = dy, x (and the mask): whole vectors in two chains.
@@ -230,18 +246,11 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let (mut a1, mut b1) = (zero, zero);
     let pairs = r.vectors() / 2;
     for i in 0..pairs {
-        let (v, w) = (r.load(s, 2 * i), r.load(s, 2 * i + 1));
-        let (d, e) = (grad_of(s, &v), grad_of(s, &w));
-        a = s.add(a, d);
-        b = s.mul_add(d, s.sub(v[1], m), b);
-        a1 = s.add(a1, e);
-        b1 = s.mul_add(e, s.sub(w[1], m), b1);
+        fold(s, &r.load(s, 2 * i), m, &mut a, &mut b);
+        fold(s, &r.load(s, 2 * i + 1), m, &mut a1, &mut b1);
     }
     if r.vectors() % 2 == 1 {
-        let v = r.load(s, r.vectors() - 1);
-        let d = grad_of(s, &v);
-        a = s.add(a, d);
-        b = s.mul_add(d, s.sub(v[1], m), b);
+        fold(s, &r.load(s, r.vectors() - 1), m, &mut a, &mut b);
     }
     let (at, n) = r.tail();
     if n > 0 {
@@ -295,10 +304,7 @@ fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
     (mut a, mut b): (S::V, S::V),
 ) -> (S::V, S::V) {
     for j in 0..w.vectors() {
-        let v = w.load(s, j);
-        let d = grad_of(s, &v);
-        a = s.add(a, d);
-        b = s.mul_add(d, s.sub(v[1], m), b);
+        let d = fold(s, &w.load(s, j), m, &mut a, &mut b);
         w.store::<S, STREAM>(s, j, s.mul(d, k1));
     }
     (a, b)
@@ -345,11 +351,8 @@ fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const ST
 ) {
     let (a, b) = (&mut a[..w.vectors()], &mut b[..w.vectors()]);
     for g in 0..w.vectors() {
-        let v = w.load(s, g);
-        let d = grad_of(s, &v);
         let [mv, kv] = consts.load(s, g);
-        a[g] = s.add(a[g], d);
-        b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
+        let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
         w.store::<S, STREAM>(s, g, s.mul(d, kv));
     }
 }
@@ -389,17 +392,15 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
             match dx.as_mut() {
                 None => {
                     let r = Reads::new(l, px, c);
+                    let (a, b) = (&mut a[..], &mut b[..]);
                     for g in 0..r.vectors() {
-                        let v = r.load(s, g);
-                        let d = grad_of(s, &v);
                         let [mv, _] = consts.load(s, g);
-                        a[g] = s.add(a[g], d);
-                        b[g] = s.mul_add(d, s.sub(v[1], mv), b[g]);
+                        fold(s, &r.load(s, g), mv, &mut a[g], &mut b[g]);
                     }
                     let (at, n) = r.tail();
                     if n > 0 {
-                        let [mv, _] = consts.load(s, at / l);
                         let g = at / l;
+                        let [mv, _] = consts.load(s, g);
                         (_, (a[g], b[g])) = sums_partial(s, &px, at, n, mv, (a[g], b[g]));
                     }
                 }

@@ -178,8 +178,8 @@ where
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for (o, dx) in rows.into_iter().enumerate() {
-                // One prefetch per vector: x of the next channel (dy's rows come from
-                // the hardware prefetcher when the channel's reduction starts).
+                // One prefetch per vector, for x of the next channel only (dy of the
+                // next channel is not prefetched).
                 let next = next_channel_row(g, self.ins[1], c, o);
                 run_splat(
                     s,

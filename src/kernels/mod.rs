@@ -49,7 +49,7 @@ pub const RESIDENT_BYTES: usize = 4 << 20;
 /// Outputs of at least this many bytes — and at least the size of the last-level cache
 /// ([`llc_bytes`]) — are written with non-temporal stores: they would only evict the
 /// inputs from the cache. (Measured on a 32 MiB-L3 Zen 3: a 26 MB bf16 output was
-/// faster with ordinary stores, a 103 MB one 10–25 % faster streamed; f32 outputs of
+/// faster with ordinary stores, a 103 MB one 6–25 % faster streamed; f32 outputs of
 /// 51 MB were 25 % faster streamed.)
 pub const STREAM_BYTES: usize = 16 << 20;
 

@@ -320,19 +320,13 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         }
         for ch in 0..c {
             let shifted = if n_acc[ch] > 0.0 {
-                Moments::from_pivot_f64(n_acc[ch], pivots_of(&lanes, ch), s1_acc[ch], s2_acc[ch])
+                Moments::from_pivot_f64(n_acc[ch], lanes[ch].to_f64(), s1_acc[ch], s2_acc[ch])
             } else {
                 Moments::EMPTY
             };
             self.out[ch] = self.out[ch].merge(shifted).merge(exact[ch]);
         }
     }
-}
-
-/// The pivot of channel `ch` (the first `groups·L` lanes of `lanes`).
-#[inline(always)]
-fn pivots_of<U: Real>(lanes: &[U], ch: usize) -> f64 {
-    lanes[ch].to_f64()
 }
 
 /// Exact moments of channel `ch` of a channels-last tile, in `f64` (the rare fallback).
