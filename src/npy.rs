@@ -26,17 +26,26 @@
 //! ```
 
 use std::fmt;
-use std::io;
+use std::fs::File;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use npyz::{Endianness, FixedSizeBytes, NpyFile, NpyHeader, Order, TypeChar};
 
 use crate::error::Error;
 use crate::tensor::{numel, DType, Tensor, TensorData};
 
 /// What the reader accepts, for error messages.
 const ACCEPTED: &str = "expected '<f4', '<f8', '<f2' or bfloat16 ('<V2')";
+
+/// The longest header the reader accepts, in bytes (NumPy's own reader refuses more than
+/// 10 000 by default; this is larger so that every header [`write`] produces, up to
+/// rank ~300 000, reads back). The header is parsed in one linear pass, so even the
+/// longest takes well under a millisecond.
+pub const MAX_HEADER_BYTES: usize = 1 << 20;
+
+/// The longest string (a key or the `descr`) a header may hold.
+const MAX_STRING: usize = 64;
 
 /// Errors reading or writing `.npy` files (separate from the ops' [`Error`]).
 ///
@@ -119,19 +128,66 @@ impl fmt::Display for At<'_> {
 }
 
 /// Reads a `.npy` file into a tensor (see the [module docs](self) for the accepted types).
+///
+/// What it reads is bounded by what the file holds: the fixed prefix first, then a
+/// header of at most [`MAX_HEADER_BYTES`], then exactly the data the header's shape
+/// needs — checked against the size of a regular file before anything that size is
+/// allocated; from a pipe or a device, the buffer grows only with the bytes that arrive
+/// and reading stops one byte past the expected end (a stream that does not start with
+/// the `.npy` magic, such as `/dev/zero`, is refused after 8 bytes).
 pub fn read(path: impl AsRef<Path>) -> Result<Tensor, NpyError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| NpyError::Io {
-        path: Some(path.to_path_buf()),
+    read_file(path).map_err(|e| e.at(path))
+}
+
+fn read_file(path: &Path) -> Result<Tensor, NpyError> {
+    let io = |source: io::Error| NpyError::Io {
+        path: None,
         action: "read",
         source,
-    })?;
-    from_bytes(&bytes).map_err(|e| e.at(path))
+    };
+    let mut file = File::open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if meta.is_dir() {
+        return Err(io(io::Error::other("it is a directory")));
+    }
+    let mut prefix = Vec::with_capacity(12);
+    (&mut file).take(12).read_to_end(&mut prefix).map_err(io)?;
+    let (start, header_len) = parse_prefix(&prefix)?;
+    // The prefix read may already hold the first bytes of the header.
+    let mut text = prefix.get(start..).unwrap_or_default().to_vec();
+    let rest = header_len.saturating_sub(text.len());
+    (&mut file)
+        .take(rest as u64)
+        .read_to_end(&mut text)
+        .map_err(io)?;
+    text.truncate(header_len);
+    let header = parse_header(header_len, &text)?;
+    let data_start = (start + header_len) as u64;
+    let needed = header.data_bytes as u64;
+    let mut data = Vec::new();
+    if meta.is_file() {
+        // The data must be exactly what the file still holds: refuse a lying header
+        // before allocating for it.
+        let have = meta.len().saturating_sub(data_start);
+        if have != needed {
+            return Err(header.wrong_length(usize::try_from(have).unwrap_or(usize::MAX)));
+        }
+        data.reserve_exact(header.data_bytes);
+    }
+    (&mut file)
+        .take(needed + 1)
+        .read_to_end(&mut data)
+        .map_err(io)?;
+    header.decode(&data)
 }
 
 /// Writes a tensor as a `.npy` file (C order, little-endian, NumPy's exact header).
 ///
-/// The whole file is built in memory first, so an unrepresentable tensor leaves no file behind.
+/// The whole file is built in memory first, so an unrepresentable tensor leaves no file
+/// behind. This writes `path` in place; for all-or-nothing replacement of existing
+/// files, write to a temporary name in the same directory, sync and rename (as
+/// `fusedbn run` does).
 pub fn write(path: impl AsRef<Path>, t: &Tensor) -> Result<(), NpyError> {
     let path = path.as_ref();
     let bytes = to_bytes(t).map_err(|e| e.at(path))?;
@@ -143,62 +199,379 @@ pub fn write(path: impl AsRef<Path>, t: &Tensor) -> Result<(), NpyError> {
 }
 
 /// Parses the contents of a `.npy` file (what [`read`] does after reading the file).
+///
+/// ```
+/// use fusedbn::npy;
+/// // A header with unclosed braces is refused at once, whatever its depth.
+/// let mut file = b"\x93NUMPY\x01\x00\x76\x00{'descr': {{{{{{{{{{{{{{{{'<f4'".to_vec();
+/// file.resize(10 + 0x76, b' ');
+/// let err = npy::from_bytes(&file).unwrap_err().to_string();
+/// assert!(err.starts_with("not a valid .npy file"), "{err}");
+/// ```
 pub fn from_bytes(bytes: &[u8]) -> Result<Tensor, NpyError> {
-    precheck(bytes)?;
+    let (start, header_len) = parse_prefix(bytes)?;
+    let text = start
+        .checked_add(header_len)
+        .and_then(|end| bytes.get(start..end))
+        .unwrap_or(&bytes[start.min(bytes.len())..]);
+    let header = parse_header(header_len, text)?;
+    header.decode(&bytes[start + text.len()..])
+}
 
-    let mut rest = bytes;
-    let header = NpyHeader::from_reader(&mut rest).map_err(npyz_error)?;
-    let npy_dtype = header.dtype();
-    let dtype = element_type(&npy_dtype)?;
-
-    let shape = header
-        .shape()
-        .iter()
-        .map(|&d| usize::try_from(d))
-        .collect::<Result<Vec<usize>, _>>()
-        .map_err(|_| {
-            NpyError::malformed(format!("shape {:?} does not fit in memory", header.shape()))
-        })?;
-    let too_large = || NpyError::Tensor {
-        path: None,
-        source: Error::TooLarge {
-            shape: shape.clone(),
-        },
+/// Checks the magic string and version and returns `(header start, header length)`.
+fn parse_prefix(bytes: &[u8]) -> Result<(usize, usize), NpyError> {
+    let early = || NpyError::malformed("the file ends early");
+    let magic = b"\x93NUMPY";
+    if bytes.len() < magic.len() {
+        if magic.starts_with(bytes) {
+            return Err(early());
+        }
+        return Err(NpyError::malformed(
+            "it does not start with the .npy magic string \\x93NUMPY",
+        ));
+    }
+    if &bytes[..6] != magic {
+        return Err(NpyError::malformed(
+            "it does not start with the .npy magic string \\x93NUMPY",
+        ));
+    }
+    let (start, len) = match (bytes.get(6), bytes.get(7)) {
+        (Some(1), Some(0)) => {
+            let b = bytes.get(8..10).ok_or_else(early)?;
+            (10, usize::from(u16::from_le_bytes([b[0], b[1]])))
+        }
+        (Some(2 | 3), Some(0)) => {
+            let b = bytes.get(8..12).ok_or_else(early)?;
+            let n = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            (12, usize::try_from(n).unwrap_or(usize::MAX))
+        }
+        (Some(major), Some(minor)) => {
+            return Err(NpyError::malformed(format!(
+                "unsupported format version {major}.{minor} (expected 1.0, 2.0 or 3.0)"
+            )))
+        }
+        _ => return Err(early()),
     };
-    let count = numel(&shape).ok_or_else(too_large)?;
-    let needed = count.checked_mul(dtype.size()).ok_or_else(too_large)?;
-    if rest.len() != needed {
-        let what = if rest.len() < needed {
+    if len > MAX_HEADER_BYTES {
+        return Err(NpyError::malformed(format!(
+            "the header is {len} bytes long, more than the {MAX_HEADER_BYTES} accepted"
+        )));
+    }
+    Ok((start, len))
+}
+
+/// A parsed header: what the data that follows must be.
+#[derive(Debug)]
+struct Header {
+    dtype: DType,
+    descr: String,
+    big_endian: bool,
+    fortran: bool,
+    shape: Vec<usize>,
+    /// Bytes of data the shape needs.
+    data_bytes: usize,
+}
+
+/// Parses the header text: a Python dict literal with exactly the keys `descr` (a type
+/// string), `fortran_order` (`True`/`False`) and `shape` (a tuple of non-negative
+/// integers), as NumPy writes it, followed by spaces and a newline. `header_len` is what
+/// the prefix announced; a shorter `text` means the file ended inside the header.
+///
+/// Written by hand, not with a Python-literal parser (npyz uses `py_literal`, a
+/// backtracking PEG parser whose time triples with each unclosed `{`): the grammar is
+/// tiny and fixed, so one forward pass over at most [`MAX_HEADER_BYTES`] with no
+/// recursion and no backtracking parses it, and anything else is refused where it
+/// stops matching.
+fn parse_header(header_len: usize, text: &[u8]) -> Result<Header, NpyError> {
+    if text.len() < header_len {
+        return Err(NpyError::malformed(format!(
+            "the header is {header_len} bytes long, but the file ends {} bytes after its start",
+            text.len()
+        )));
+    }
+    let mut p = Cursor { text, at: 0 };
+    let (mut descr, mut fortran, mut shape) = (None, None, None);
+    p.skip_space();
+    p.expect(b'{', "the header must be a dict '{...}'")?;
+    loop {
+        p.skip_space();
+        if p.eat(b'}') {
+            break;
+        }
+        let key = p.string("a key in quotes or '}'")?;
+        p.skip_space();
+        p.expect(b':', "':' after a key")?;
+        p.skip_space();
+        let duplicate = || NpyError::malformed(format!("the header repeats the key '{key}'"));
+        match key.as_str() {
+            "descr" => {
+                if descr.is_some() {
+                    return Err(duplicate());
+                }
+                if p.peek() == Some(b'[') {
+                    return Err(NpyError::UnsupportedDType {
+                        path: None,
+                        descr: "a structured type (a list of fields)".into(),
+                        expected: ACCEPTED.into(),
+                    });
+                }
+                descr = Some(p.string("a type string such as '<f4'")?);
+            }
+            "fortran_order" => {
+                if fortran.is_some() {
+                    return Err(duplicate());
+                }
+                fortran = Some(if p.word(b"True") {
+                    true
+                } else if p.word(b"False") {
+                    false
+                } else {
+                    return Err(p.unexpected("True or False for 'fortran_order'"));
+                });
+            }
+            "shape" => {
+                if shape.is_some() {
+                    return Err(duplicate());
+                }
+                shape = Some(p.shape()?);
+            }
+            other => {
+                return Err(NpyError::malformed(format!(
+                    "unexpected key '{other}' in the header (expected 'descr', \
+                     'fortran_order' and 'shape')"
+                )))
+            }
+        }
+        p.skip_space();
+        if p.eat(b'}') {
+            break;
+        }
+        p.expect(b',', "',' or '}' after a value")?;
+    }
+    p.skip_space();
+    if p.at != text.len() {
+        return Err(p.unexpected("only spaces and a newline after the header's dict"));
+    }
+    let missing = |k: &str| NpyError::malformed(format!("the header has no '{k}'"));
+    let descr = descr.ok_or_else(|| missing("descr"))?;
+    let fortran = fortran.ok_or_else(|| missing("fortran_order"))?;
+    let shape = shape.ok_or_else(|| missing("shape"))?;
+    let (dtype, big_endian) = element_type(&descr)?;
+    let too_large = || {
+        NpyError::malformed(format!(
+            "shape {shape:?} has more elements than fit in memory"
+        ))
+    };
+    let data_bytes = numel(&shape)
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .filter(|&b| isize::try_from(b).is_ok())
+        .ok_or_else(too_large)?;
+    Ok(Header {
+        dtype,
+        descr: format!("'{descr}'"),
+        big_endian,
+        fortran: fortran && shape.len() > 1,
+        shape,
+        data_bytes,
+    })
+}
+
+/// A forward-only reader over the header text.
+struct Cursor<'a> {
+    text: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.text.get(self.at).copied()
+    }
+
+    fn eat(&mut self, b: u8) -> bool {
+        let hit = self.peek() == Some(b);
+        self.at += usize::from(hit);
+        hit
+    }
+
+    fn skip_space(&mut self) {
+        while self.peek().is_some_and(|b| b.is_ascii_whitespace()) {
+            self.at += 1;
+        }
+    }
+
+    /// `word` here, not followed by a letter, digit or underscore.
+    fn word(&mut self, word: &[u8]) -> bool {
+        let end = self.at + word.len();
+        let next = self.text.get(end).copied();
+        if self.text.get(self.at..end) == Some(word)
+            && !next.is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            self.at = end;
+            return true;
+        }
+        false
+    }
+
+    fn unexpected(&self, wanted: &str) -> NpyError {
+        let found = match self.peek() {
+            None => "the end of the header".to_string(),
+            Some(b) if b.is_ascii_graphic() || b == b' ' => format!("'{}'", b as char),
+            Some(b) => format!("byte 0x{b:02x}"),
+        };
+        NpyError::malformed(format!(
+            "bad header: expected {wanted} at byte {}, found {found}",
+            self.at
+        ))
+    }
+
+    fn expect(&mut self, b: u8, wanted: &str) -> Result<(), NpyError> {
+        if self.eat(b) {
+            Ok(())
+        } else {
+            Err(self.unexpected(wanted))
+        }
+    }
+
+    /// A quoted string of printable ASCII without escapes, at most [`MAX_STRING`] long.
+    fn string(&mut self, wanted: &str) -> Result<String, NpyError> {
+        let quote = match self.peek() {
+            Some(q @ (b'\'' | b'"')) => q,
+            _ => return Err(self.unexpected(wanted)),
+        };
+        self.at += 1;
+        let start = self.at;
+        while let Some(b) = self.peek() {
+            if b == quote {
+                let s = &self.text[start..self.at];
+                self.at += 1;
+                // Printable ASCII only (checked below), so this is valid UTF-8.
+                return Ok(s.iter().map(|&b| b as char).collect());
+            }
+            if !(b.is_ascii_graphic() || b == b' ') || b == b'\\' || self.at - start >= MAX_STRING {
+                return Err(self.unexpected(&format!(
+                    "a string of at most {MAX_STRING} printable characters without escapes"
+                )));
+            }
+            self.at += 1;
+        }
+        Err(self.unexpected("the closing quote"))
+    }
+
+    /// A tuple of non-negative integers: `()`, `(5,)`, `(2, 3)`, `(2, 3,)`; Python 2's
+    /// `L` suffix is accepted.
+    fn shape(&mut self) -> Result<Vec<usize>, NpyError> {
+        self.expect(b'(', "a tuple '(...)' for 'shape'")?;
+        let mut dims = Vec::new();
+        let mut comma = false;
+        loop {
+            self.skip_space();
+            if self.eat(b')') {
+                break;
+            }
+            if !dims.is_empty() && !comma {
+                return Err(self.unexpected("',' or ')' in the shape"));
+            }
+            let start = self.at;
+            while self.peek().is_some_and(|b| b.is_ascii_digit()) {
+                self.at += 1;
+            }
+            if self.at == start {
+                return Err(self.unexpected("a non-negative integer in the shape"));
+            }
+            let digits = &self.text[start..self.at];
+            let d = std::str::from_utf8(digits)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .and_then(|d| usize::try_from(d).ok())
+                .ok_or_else(|| {
+                    NpyError::malformed(format!(
+                        "shape dimension {} does not fit in memory",
+                        String::from_utf8_lossy(digits)
+                    ))
+                })?;
+            self.eat(b'L');
+            dims.push(d);
+            self.skip_space();
+            comma = self.eat(b',');
+        }
+        if dims.len() == 1 && !comma {
+            // `(5)` is the integer 5 in Python, not a tuple.
+            return Err(NpyError::malformed(
+                "bad header: 'shape' must be a tuple, and a 1-tuple is written '(n,)'",
+            ));
+        }
+        Ok(dims)
+    }
+}
+
+impl Header {
+    /// The error for a data section of `have` bytes where `data_bytes` are needed.
+    fn wrong_length(&self, have: usize) -> NpyError {
+        let what = if have < self.data_bytes {
             "only"
         } else {
             "trailing data:"
         };
-        return Err(NpyError::malformed(format!(
+        NpyError::malformed(format!(
             "shape {:?} of {} needs {} bytes of data, {} {} bytes follow the header",
-            shape,
-            npy_dtype.descr(),
-            needed,
-            what,
-            rest.len()
-        )));
+            self.shape, self.descr, self.data_bytes, what, have
+        ))
     }
 
-    let fortran = header.order() == Order::Fortran && shape.len() > 1;
-    let npy = NpyFile::with_header(header, rest);
-    let data = match dtype {
-        DType::F32 => TensorData::F32(elements::<f32>(npy, &shape, fortran)?),
-        DType::F64 => TensorData::F64(elements::<f64>(npy, &shape, fortran)?),
-        DType::F16 => TensorData::F16(elements::<f16>(npy, &shape, fortran)?),
-        DType::BF16 => {
-            let raw = elements::<FixedSizeBytes<2>>(npy, &shape, fortran)?;
-            TensorData::BF16(
-                raw.into_iter()
-                    .map(|b| bf16::from_bits(u16::from_le_bytes(b.0)))
-                    .collect(),
-            )
+    /// The tensor from the data section.
+    fn decode(&self, data: &[u8]) -> Result<Tensor, NpyError> {
+        if data.len() != self.data_bytes {
+            return Err(self.wrong_length(data.len()));
         }
-    };
-    Tensor::from_data(shape, data).map_err(|source| NpyError::Tensor { path: None, source })
+        let be = self.big_endian;
+        let data = match self.dtype {
+            DType::F32 => TensorData::F32(self.elements(data, |b: [u8; 4]| {
+                f32::from_bits(if be {
+                    u32::from_be_bytes(b)
+                } else {
+                    u32::from_le_bytes(b)
+                })
+            })),
+            DType::F64 => TensorData::F64(self.elements(data, |b: [u8; 8]| {
+                f64::from_bits(if be {
+                    u64::from_be_bytes(b)
+                } else {
+                    u64::from_le_bytes(b)
+                })
+            })),
+            DType::F16 => TensorData::F16(self.elements(data, |b: [u8; 2]| {
+                f16::from_bits(if be {
+                    u16::from_be_bytes(b)
+                } else {
+                    u16::from_le_bytes(b)
+                })
+            })),
+            // bfloat16 is always the little-endian bit pattern (see `element_type`).
+            DType::BF16 => TensorData::BF16(
+                self.elements(data, |b: [u8; 2]| bf16::from_bits(u16::from_le_bytes(b))),
+            ),
+        };
+        Tensor::from_data(self.shape.clone(), data)
+            .map_err(|source| NpyError::Tensor { path: None, source })
+    }
+
+    /// Every element, in C order (`data` holds exactly `data_bytes`).
+    fn elements<T: Copy, const N: usize>(&self, data: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+        let v: Vec<T> = data
+            .chunks_exact(N)
+            .map(|c| {
+                let mut b = [0u8; N];
+                b.copy_from_slice(c);
+                f(b)
+            })
+            .collect();
+        if self.fortran {
+            // Same element count by construction; fall back to the raw order never.
+            fortran_to_c(&v, &self.shape).unwrap_or(v)
+        } else {
+            v
+        }
+    }
 }
 
 /// Serializes a tensor as the bytes of a `.npy` file, identical to what NumPy's `np.save`
@@ -287,45 +660,31 @@ fn header(dtype: DType, shape: &[usize]) -> Result<Vec<u8>, NpyError> {
     })
 }
 
-/// Maps the element type of a file to a [`DType`], or explains why it is not supported.
-fn element_type(dtype: &npyz::DType) -> Result<DType, NpyError> {
+/// Maps a type string to a [`DType`] and whether the file is big-endian, or explains
+/// why it is not supported.
+fn element_type(descr: &str) -> Result<(DType, bool), NpyError> {
     let unsupported = |expected: &str| NpyError::UnsupportedDType {
         path: None,
-        descr: dtype.descr(),
+        descr: format!("'{descr}'"),
         expected: expected.to_string(),
     };
-    let npyz::DType::Plain(ts) = dtype else {
-        return Err(unsupported(ACCEPTED));
+    let (order, rest) = match descr.as_bytes().first() {
+        Some(b'<' | b'>' | b'|' | b'=') => descr.split_at(1),
+        _ => ("", descr),
     };
-    match (ts.type_char(), ts.size_field(), ts.endianness()) {
-        (TypeChar::Float, 2, _) => Ok(DType::F16),
-        (TypeChar::Float, 4, _) => Ok(DType::F32),
-        (TypeChar::Float, 8, _) => Ok(DType::F64),
-        (TypeChar::RawData, 2, Endianness::Little | Endianness::Irrelevant) => Ok(DType::BF16),
-        (TypeChar::RawData, 2, Endianness::Big) => Err(unsupported(
+    // '=' is native order; every target this builds for is little-endian or says so here.
+    let big = order == ">" || (order == "=" && cfg!(target_endian = "big"));
+    match (rest, big) {
+        ("f2", _) => Ok((DType::F16, big)),
+        ("f4", _) => Ok((DType::F32, big)),
+        ("f8", _) => Ok((DType::F64, big)),
+        ("V2", false) => Ok((DType::BF16, false)),
+        ("V2", true) => Err(unsupported(
             "a big-endian raw 2-byte type is ambiguous; bfloat16 must be stored as '<V2' \
              (the little-endian bit pattern, as NumPy with ml_dtypes writes it)",
         )),
         _ => Err(unsupported(ACCEPTED)),
     }
-}
-
-/// Reads every element of `npy` as `T`, in C order.
-fn elements<T: npyz::Deserialize + Copy>(
-    npy: NpyFile<&[u8]>,
-    shape: &[usize],
-    fortran: bool,
-) -> Result<Vec<T>, NpyError> {
-    let data: Vec<T> = npy.into_vec().map_err(npyz_error)?;
-    if !fortran {
-        return Ok(data);
-    }
-    fortran_to_c(&data, shape).ok_or_else(|| {
-        NpyError::malformed(format!(
-            "{} elements do not fill shape {shape:?}",
-            data.len()
-        ))
-    })
 }
 
 /// Reorders column-major (Fortran order) elements into row-major (C order), for any rank.
@@ -362,91 +721,6 @@ fn fortran_to_c<T: Copy>(data: &[T], shape: &[usize]) -> Option<Vec<T>> {
         }
     }
     Some(out)
-}
-
-/// An error from npyz, which reads from memory, so it is always about the file's contents.
-fn npyz_error(e: io::Error) -> NpyError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        NpyError::malformed("the file ends early")
-    } else {
-        NpyError::malformed(e.to_string())
-    }
-}
-
-/// Checks what npyz does not: the header length against the file size (npyz allocates the
-/// header buffer before reading it) and the shape's element count (npyz multiplies the
-/// dimensions unchecked, which panics on overflow in debug builds). Everything else is left
-/// to npyz, which parses the header with the same parser as here.
-fn precheck(bytes: &[u8]) -> Result<(), NpyError> {
-    if bytes.get(..6) != Some(b"\x93NUMPY".as_slice()) {
-        return Err(NpyError::malformed(
-            "it does not start with the .npy magic string \\x93NUMPY",
-        ));
-    }
-    let version = (bytes.get(6).copied(), bytes.get(7).copied());
-    let (len, start) = match version {
-        (Some(1), Some(0)) => (
-            bytes
-                .get(8..10)
-                .map(|b| usize::from(u16::from_le_bytes([b[0], b[1]]))),
-            10usize,
-        ),
-        (Some(2 | 3), Some(0)) => (
-            bytes
-                .get(8..12)
-                .and_then(|b| usize::try_from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])).ok()),
-            12,
-        ),
-        (Some(major), Some(minor)) => {
-            return Err(NpyError::malformed(format!(
-                "unsupported format version {major}.{minor} (expected 1.0, 2.0 or 3.0)"
-            )))
-        }
-        _ => return Err(NpyError::malformed("the file ends early")),
-    };
-    let Some(len) = len else {
-        return Err(NpyError::malformed("the file ends early"));
-    };
-    let Some(text) = start.checked_add(len).and_then(|end| bytes.get(start..end)) else {
-        return Err(NpyError::malformed(format!(
-            "the header is {len} bytes long, but the file ends {} bytes after its start",
-            bytes.len().saturating_sub(start)
-        )));
-    };
-
-    // Find the shape; anything unexpected is left for npyz to report.
-    let Ok(text) = std::str::from_utf8(text) else {
-        return Ok(());
-    };
-    let Ok(py_literal::Value::Dict(items)) = text.trim_end().parse::<py_literal::Value>() else {
-        return Ok(());
-    };
-    let shape = items.iter().find_map(|(k, v)| match (k, v) {
-        (
-            py_literal::Value::String(k),
-            py_literal::Value::Tuple(s) | py_literal::Value::List(s),
-        ) if k == "shape" => Some(s),
-        _ => None,
-    });
-    let Some(shape) = shape else { return Ok(()) };
-    let dims: Option<Vec<u64>> = shape
-        .iter()
-        .map(|d| match d {
-            py_literal::Value::Integer(n) => u64::try_from(n).ok(),
-            _ => None,
-        })
-        .collect();
-    let Some(dims) = dims else { return Ok(()) };
-    // npyz multiplies both left to right and right to left; every partial product must fit.
-    fn fits<'a>(mut dims: impl Iterator<Item = &'a u64>) -> bool {
-        dims.try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_some()
-    }
-    if !fits(dims.iter()) || !fits(dims.iter().rev()) {
-        return Err(NpyError::malformed(format!(
-            "shape {dims:?} has more elements than fit in 64 bits"
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -794,6 +1068,125 @@ mod tests {
         v[8] = 0xff;
         v[9] = 0xff;
         assert!(err(&v).contains("header is 65535 bytes long"));
+    }
+
+    /// Issue 8: a 132-byte header of unclosed braces took more than a minute with the
+    /// backtracking Python-literal parser (time tripled per `{`). With the linear parser
+    /// every depth up to the header limit is refused at once; before the fix this test
+    /// did not finish.
+    #[test]
+    fn unclosed_nesting_is_refused_in_linear_time() {
+        for open in ["{", "[", "(", "{'a': [", "{'descr': ("] {
+            for depth in [10, 14, 30, 1000, 60_000] {
+                let dict = format!(
+                    "{{'descr': {}'<f4', 'fortran_order': False",
+                    open.repeat(depth)
+                );
+                let mut file = b"\x93NUMPY\x02\x00".to_vec();
+                file.extend_from_slice(&(dict.len() as u32).to_le_bytes());
+                file.extend_from_slice(dict.as_bytes());
+                let msg = err(&file);
+                assert!(
+                    msg.starts_with("not a valid .npy file")
+                        || msg.starts_with("unsupported element type"),
+                    "{open} x {depth}: {msg}"
+                );
+            }
+        }
+        // The issue's own 132-byte file.
+        let mut file = b"\x93NUMPY\x01\x00\x7a\x00{'descr': {{{{{{{{{{{{{{'<f4', 'fortran_order': False, 'shape': (2,), }".to_vec();
+        file.resize(132, b' ');
+        assert!(err(&file).starts_with("not a valid .npy file"));
+    }
+
+    #[test]
+    fn header_grammar_is_strict_and_bounded() {
+        let ok = |dict: &str, data: &[u8]| from_bytes(&npy_file(dict, data));
+        // Accepted spellings: double quotes, keys in any order, Python 2's `L`, no
+        // trailing comma, a trailing comma in the tuple.
+        for dict in [
+            "{\"descr\": \"<f4\", \"fortran_order\": False, \"shape\": (2,)}",
+            "{'shape': (2L,), 'fortran_order': False, 'descr': '<f4'}",
+            "{'descr':'<f4','fortran_order':False,'shape':(1, 2,),}",
+            "  {'descr': '=f4', 'fortran_order': False, 'shape': (2,), }",
+        ] {
+            let t = ok(dict, &[0; 8]).unwrap_or_else(|e| panic!("{dict}: {e}"));
+            assert_eq!(t.numel(), 2, "{dict}");
+        }
+        for (dict, why) in [
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2), }",
+                "1-tuple",
+            ),
+            (
+                "{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}",
+                "repeats",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}",
+                "unexpected key",
+            ),
+            ("{'descr': '<f4', 'shape': (2,)}", "no 'fortran_order'"),
+            (
+                "{'descr': '<f4', 'fortran_order': Falsey, 'shape': (2,)}",
+                "True or False",
+            ),
+            (
+                "{'descr': '<f\\x34', 'fortran_order': False, 'shape': (2,)}",
+                "without escapes",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} junk",
+                "only spaces",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2 3)}",
+                "',' or ')'",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (-2,)}",
+                "non-negative",
+            ),
+        ] {
+            let msg = ok(dict, &[0; 8]).unwrap_err().to_string();
+            assert!(msg.contains(why), "{dict}: {msg}");
+        }
+        let long = format!("'{}'", "x".repeat(MAX_STRING + 1));
+        let msg = ok(&format!("{{{long}: 1}}"), &[]).unwrap_err().to_string();
+        assert!(msg.contains("at most 64"), "{msg}");
+        // A header longer than the limit is refused from its length field alone.
+        let mut file = b"\x93NUMPY\x02\x00".to_vec();
+        file.extend_from_slice(&((MAX_HEADER_BYTES + 1) as u32).to_le_bytes());
+        assert!(err(&file).contains("more than the 1048576 accepted"));
+    }
+
+    /// A regular file whose header claims far more data than it holds is refused from
+    /// its size before anything is allocated for the claim; a device is read only as far
+    /// as its prefix.
+    #[cfg(unix)]
+    #[test]
+    fn reading_is_bounded_by_the_file() {
+        let dir = std::env::temp_dir().join(format!("fusedbn-npy-bound-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lying.npy");
+        std::fs::write(
+            &path,
+            npy_file(
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776,), }",
+                &[0; 8],
+            ),
+        )
+        .unwrap();
+        let msg = read(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("needs 4398046511104 bytes of data, only 8"),
+            "{msg}"
+        );
+        let msg = read("/dev/zero").unwrap_err().to_string();
+        assert!(msg.contains("magic"), "{msg}");
+        let msg = read(&dir).unwrap_err().to_string();
+        assert!(msg.contains("could not read"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
