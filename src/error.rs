@@ -72,7 +72,8 @@ pub enum Error {
         /// The number of elements given.
         found: usize,
     },
-    /// A shape whose element count does not fit in `usize`.
+    /// A shape whose element count (or, for an empty tensor, the product of its nonzero
+    /// dimensions) does not fit in `usize`.
     #[error("tensor of shape {shape:?} has more elements than fit in memory")]
     TooLarge {
         /// The shape.

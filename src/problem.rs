@@ -118,13 +118,22 @@ impl Problem {
     pub fn new(format: DataFormat, shape: &[usize]) -> Result<Self> {
         check_x_shape("x", format, shape)?;
         let c = shape[format.channel_axis()];
-        let total = numel(shape).ok_or_else(|| Error::TooLarge {
+        // Every partial product of the dimensions must fit, also in an empty tensor
+        // (`[0, 3, 2^33, 2^33]` has no elements but an H·W that overflows): checked on
+        // the product of the nonzero dimensions, which bounds them all.
+        let too_large = || Error::TooLarge {
             shape: shape.to_vec(),
-        })?;
+        };
+        shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(too_large)?;
+        let total = numel(shape).ok_or_else(too_large)?;
         let (outer, inner) = if format.is_channels_last() {
             (total.checked_div(c).unwrap_or(0), 1)
         } else {
-            (shape[0], shape[2..].iter().product())
+            (shape[0], numel(&shape[2..]).ok_or_else(too_large)?)
         };
         Ok(Problem {
             format,

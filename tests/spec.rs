@@ -964,3 +964,38 @@ fn second_order_formulas_match_finite_differences() {
         }
     }
 }
+
+/// Issue 8: an empty tensor whose nonzero dimensions multiply past `usize` is refused
+/// cleanly (the trailing product used to be taken unchecked: a panic with overflow checks,
+/// a wrapped, wrong geometry without them).
+#[test]
+fn empty_tensor_with_overflowing_dimensions_is_refused() {
+    let big = 1usize << 33;
+    for (format, shape) in [
+        (DataFormat::Nchw, vec![0, 3, big, big]),
+        (DataFormat::Nhwc, vec![0, big, big, 3]),
+        (DataFormat::Nchw, vec![big, 0, big, 1]),
+        (DataFormat::Ncdhw, vec![0, 3, big, big, 1]),
+        (DataFormat::Ndhwc, vec![1, big, 0, big, 2]),
+    ] {
+        let r = Problem::new(format, &shape);
+        assert!(
+            matches!(r, Err(Error::TooLarge { .. })),
+            "{format} {shape:?}: {r:?}"
+        );
+        // Through the op layer too: a clean error, never a panic.
+        let x = Tensor::new(shape.clone(), Vec::<f32>::new()).unwrap();
+        let c = shape[format.channel_axis()];
+        let v = Tensor::new(vec![c], vec![1f32; c]).unwrap();
+        let mut inputs = Inputs::new();
+        inputs.insert("x", &x);
+        inputs.insert("scale", &v);
+        inputs.insert("offset", &v);
+        inputs.insert("mean", &v);
+        inputs.insert("variance", &v);
+        let r = Op::FusedBatchNormV3.run(&inputs, &Attrs::new().data_format(format));
+        assert!(r.is_err(), "{format} {shape:?}");
+    }
+    // Still fine when the dimensions fit.
+    assert!(Problem::new(DataFormat::Nchw, &[0, 3, 1 << 20, 1 << 20]).is_ok());
+}

@@ -1,8 +1,8 @@
 //! `fusedbn run`: one TensorFlow op over `.npy` files.
 //!
-//! Everything is validated and computed in memory before the first byte is written;
-//! if writing still fails part-way, the files (and directories) this invocation
-//! created are removed again.
+//! Everything is validated and computed in memory before the first byte is written,
+//! and the outputs are written all or nothing (see [`write_outputs`]): on any failure
+//! the output directory is left exactly as it was.
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -136,29 +136,216 @@ fn parse_inputs(op: Op, flags: &[String]) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-/// Writes every output as `dir/<name>.npy`. On failure, removes what this call wrote
-/// and the directories it created, then reports the error.
+/// Writes every output as `dir/<name>.npy`, all or nothing.
+///
+/// 1. `dir` (and missing parents) are created, and an advisory lock is taken on it
+///    (`flock` on the directory itself, so no lock file appears), which serializes runs
+///    into the same directory: a second run waits, so the directory never holds one
+///    run's `y` beside another's statistics.
+/// 2. Every target that exists must be a regular file (a directory in the way is
+///    reported before anything is written).
+/// 3. Every output is written to a new temporary file in `dir` (`.fusedbn-tmp-…`) and
+///    synced; any failure (a full disk, a read-only directory) removes the temporary
+///    files and leaves the existing files untouched.
+/// 4. Existing targets are hard-linked to backups, the temporary files are renamed
+///    into place, and the directory is synced. If a rename fails, the files already
+///    renamed are put back from the backups (or removed if they are new).
+///
+/// On failure the directory is as it was (directories this call created are removed
+/// again); on success every output is complete.
 fn write_outputs(dir: &Path, outputs: &Outputs) -> Result<()> {
     let created = create_dirs(dir)?;
-    let mut written: Vec<PathBuf> = Vec::new();
-    for (name, t) in outputs.iter() {
-        let path = dir.join(format!("{name}.npy"));
-        let existed = path.exists();
-        if let Err(e) = npy::write(&path, t) {
-            if !existed {
-                let _ = fs::remove_file(&path); // a partly written file, if any
-            }
-            for p in written.iter().rev() {
-                let _ = fs::remove_file(p);
-            }
-            for d in created.iter().rev() {
-                let _ = fs::remove_dir(d);
-            }
-            return Err(CliError::new(format!("output {name}: {e}")));
+    let result = lock_dir(dir).and_then(|_lock| write_locked(dir, outputs));
+    if result.is_err() {
+        for d in created.iter().rev() {
+            let _ = fs::remove_dir(d);
         }
-        written.push(path);
     }
+    result
+}
+
+/// The lock on the output directory; released when dropped (or when the process ends).
+struct DirLock(#[allow(dead_code)] fs::File);
+
+#[cfg(unix)]
+fn lock_dir(dir: &Path) -> Result<DirLock> {
+    let f = fs::File::open(dir).map_err(|e| {
+        CliError::new(format!(
+            "--out {}: could not open the directory: {e}",
+            dir.display()
+        ))
+    })?;
+    f.lock().map_err(|e| {
+        CliError::new(format!(
+            "--out {}: could not lock the directory: {e}",
+            dir.display()
+        ))
+    })?;
+    Ok(DirLock(f))
+}
+
+/// Without `flock` on directories, a lock file beside the outputs (left in place).
+#[cfg(not(unix))]
+fn lock_dir(dir: &Path) -> Result<DirLock> {
+    let path = dir.join(".fusedbn.lock");
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| {
+            CliError::new(format!(
+                "{}: could not create the lock file: {e}",
+                path.display()
+            ))
+        })?;
+    f.lock()
+        .map_err(|e| CliError::new(format!("{}: could not lock: {e}", path.display())))?;
+    Ok(DirLock(f))
+}
+
+/// A file this run created that is removed again unless `keep` is called.
+struct Scratch(Option<PathBuf>);
+
+impl Scratch {
+    fn path(&self) -> &Path {
+        self.0.as_deref().unwrap_or(Path::new(""))
+    }
+
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = fs::remove_file(p);
+        }
+    }
+}
+
+/// A fresh name in `dir` that no other file has (created exclusively, empty).
+fn scratch(dir: &Path, stem: &str) -> std::io::Result<(Scratch, fs::File)> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    loop {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = dir.join(format!(
+            ".fusedbn-tmp-{stem}-{}-{n}-{nanos}",
+            std::process::id()
+        ));
+        match fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(f) => return Ok((Scratch(Some(path)), f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn write_locked(dir: &Path, outputs: &Outputs) -> Result<()> {
+    use std::io::Write as _;
+    let targets: Vec<(&str, PathBuf)> = outputs
+        .names()
+        .map(|n| (n, dir.join(format!("{n}.npy"))))
+        .collect();
+    for (name, path) in &targets {
+        match fs::symlink_metadata(path) {
+            Ok(m) if !m.is_file() => {
+                return Err(CliError::new(format!(
+                    "output {name}: {} exists and is not a regular file",
+                    path.display()
+                )))
+            }
+            _ => {}
+        }
+    }
+    // 3. Every output complete and synced under a temporary name.
+    let mut temps = Vec::new();
+    for (name, t) in outputs.iter() {
+        let fail = |e: &dyn std::fmt::Display| CliError::new(format!("output {name}: {e}"));
+        let bytes = npy::to_bytes(t).map_err(|e| fail(&e))?;
+        let (tmp, mut f) = scratch(dir, name).map_err(|e| {
+            fail(&format!(
+                "could not create a file in {}: {e}",
+                dir.display()
+            ))
+        })?;
+        f.write_all(&bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(|e| fail(&format!("could not write {}: {e}", tmp.path().display())))?;
+        temps.push(tmp);
+    }
+    // 4. Backups of the files about to be replaced, then the renames.
+    let mut backups: Vec<Option<Scratch>> = Vec::new();
+    for (name, path) in &targets {
+        if fs::symlink_metadata(path).is_err() {
+            backups.push(None);
+            continue;
+        }
+        let (b, _) = scratch(dir, &format!("{name}-old")).map_err(|e| {
+            CliError::new(format!(
+                "output {name}: could not back up {}: {e}",
+                path.display()
+            ))
+        })?;
+        // A hard link is instant and leaves the target in place; where links are not
+        // supported, a copy.
+        let _ = fs::remove_file(b.path());
+        fs::hard_link(path, b.path())
+            .or_else(|_| fs::copy(path, b.path()).map(|_| ()))
+            .map_err(|e| {
+                CliError::new(format!(
+                    "output {name}: could not back up {}: {e}",
+                    path.display()
+                ))
+            })?;
+        backups.push(Some(b));
+    }
+    for (i, ((name, path), tmp)) in targets.iter().zip(&temps).enumerate() {
+        if let Err(e) = fs::rename(tmp.path(), path) {
+            // Put back what was already replaced.
+            for ((_, done), backup) in targets[..i].iter().zip(&backups) {
+                match backup {
+                    Some(b) => {
+                        let _ = fs::rename(b.path(), done);
+                    }
+                    None => {
+                        let _ = fs::remove_file(done);
+                    }
+                }
+            }
+            return Err(CliError::new(format!(
+                "output {name}: could not move the new file into place at {}: {e}",
+                path.display()
+            )));
+        }
+    }
+    // Renamed: the temporary names are gone already.
+    for t in temps {
+        t.keep();
+    }
+    sync_dir(dir);
+    drop(backups); // removes the old versions
     Ok(())
+}
+
+/// Makes the renames durable (best effort: not every platform can sync a directory).
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
 }
 
 /// Creates `dir` and any missing parents; returns the directories it created,
