@@ -1088,7 +1088,12 @@ impl Outputs {
         if tensors.len() != names.len() {
             return Err(Error::arg(
                 "outputs",
-                format!("{} tensors for {} ({})", names.len(), op.name(), names.join(", ")),
+                format!(
+                    "{} tensors for {} ({})",
+                    names.len(),
+                    op.name(),
+                    names.join(", ")
+                ),
                 tensors.len().to_string(),
             ));
         }
