@@ -46,6 +46,7 @@ use rayon::prelude::*;
 use crate::batch_norm::Activation;
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
+use crate::kernels::simd::Isa;
 use crate::kernels::Geometry;
 use crate::ops::{Attrs, Inputs, Op, Outputs};
 use crate::problem::{DataFormat, Problem};
@@ -100,6 +101,9 @@ pub struct Case {
     pub side_input: bool,
     /// Seed of the input generator.
     pub seed: u64,
+    /// The instruction set [`Case::run`] runs the kernels with (default: the best this
+    /// CPU has, or `FUSEDBN_ISA`).
+    pub isa: Isa,
 }
 
 /// `[N, spatial…, C]` laid out in `format`'s axis order.
@@ -138,6 +142,7 @@ impl Case {
             fill: Fill::default(),
             side_input: false,
             seed: 1,
+            isa: Isa::default_isa(),
         })
     }
 
@@ -173,6 +178,13 @@ impl Case {
     /// Sets the seed.
     pub fn seed(mut self, s: u64) -> Self {
         self.seed = s;
+        self
+    }
+
+    /// Sets the instruction set of [`Case::run`] (checked when it runs: an ISA this CPU
+    /// lacks makes `run` fail).
+    pub fn isa(mut self, isa: Isa) -> Self {
+        self.isa = isa;
         self
     }
 
@@ -274,9 +286,10 @@ impl Case {
         named
     }
 
-    /// Runs the op on `inputs` (from [`Case::inputs`]).
+    /// Runs the op on `inputs` (from [`Case::inputs`]) with [`Case::isa`]'s kernels.
     pub fn run(&self, inputs: &[(&'static str, Tensor)]) -> Result<Outputs> {
-        self.op.run(&self.named(inputs), &self.attrs)
+        self.op
+            .run_with_isa(&self.named(inputs), &self.attrs, self.isa)
     }
 }
 
@@ -303,7 +316,7 @@ impl fmt::Display for Case {
                 self.attrs.activation_mode.as_str()
             )?;
         }
-        write!(f, " {:?}", self.fill)
+        write!(f, " {:?} seed={} isa={}", self.fill, self.seed, self.isa)
     }
 }
 

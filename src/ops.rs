@@ -22,6 +22,7 @@ use half::{bf16, f16};
 use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
+use crate::kernels::simd::Isa;
 use crate::problem::{check_x_shape, DataFormat, Problem, DEFAULT_EPSILON};
 use crate::tensor::{DType, Tensor};
 
@@ -299,6 +300,22 @@ impl Op {
     /// `reserve_space_3` of the V3 gradient (its content is never read).
     /// Outputs come back under TensorFlow's names, in TensorFlow's order.
     pub fn run(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+        self.run_with_isa(inputs, attrs, Isa::default_isa())
+    }
+
+    /// [`Op::run`] with the kernels of instruction set `isa` (fails when this CPU
+    /// lacks it); the results are those of [`Op::run`] up to the ISA's rounding.
+    ///
+    /// ```
+    /// use fusedbn::{Isa, Tensor, ops::{Attrs, Inputs, Op}};
+    /// let x = Tensor::new(vec![1, 1, 4, 1], vec![1.0f32, 2.0, 3.0, 4.0])?;
+    /// let (scale, offset) = (Tensor::vector(vec![1.0f32]), Tensor::vector(vec![0.0f32]));
+    /// let inputs = Inputs::new().with("x", &x).with("scale", &scale).with("offset", &offset);
+    /// let out = Op::FusedBatchNormV3.run_with_isa(&inputs, &Attrs::new(), Isa::Scalar)?;
+    /// assert_eq!(out.get("batch_mean").unwrap().as_slice::<f32>(), Some(&[2.5f32][..]));
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn run_with_isa(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
         for (name, _) in &inputs.entries {
             if !self.input_names().contains(&name.as_str()) {
                 return Err(Error::UnknownInput {
@@ -319,11 +336,11 @@ impl Op {
             ));
         }
         if self.is_second_order() {
-            self.run_second_order(inputs, attrs)
+            self.run_second_order(inputs, attrs, isa)
         } else if self.is_gradient() {
-            self.run_gradient(inputs, attrs)
+            self.run_gradient(inputs, attrs, isa)
         } else {
-            self.run_forward(inputs, attrs)
+            self.run_forward(inputs, attrs, isa)
         }
     }
 
@@ -335,7 +352,7 @@ impl Op {
         })
     }
 
-    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
         let offset = self.required(inputs, "offset", "always required")?;
@@ -364,7 +381,9 @@ impl Op {
             }
         }
         // Rules 3-4: sizes.
-        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let problem = Problem::new(attrs.data_format, x.shape())?
+            .with_epsilon(attrs.epsilon)
+            .with_isa(isa)?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         check_channels("offset", offset, c)?;
@@ -427,7 +446,7 @@ impl Op {
         Ok(Outputs::new(self, out))
     }
 
-    fn run_gradient(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+    fn run_gradient(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
         let dy = self.required(inputs, "y_backprop", "always required")?;
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
@@ -463,7 +482,9 @@ impl Op {
             }
         }
         // Rules 3 and 5: sizes.
-        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let problem = Problem::new(attrs.data_format, x.shape())?
+            .with_epsilon(attrs.epsilon)
+            .with_isa(isa)?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         if dy.shape() != x.shape() {
@@ -524,7 +545,7 @@ impl Op {
         Ok(Outputs::new(self, out))
     }
 
-    fn run_second_order(self, inputs: &Inputs<'_>, attrs: &Attrs) -> Result<Outputs> {
+    fn run_second_order(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
         let req = |name: &str| self.required(inputs, name, "always required");
         let (dy, x, scale) = (req("y_backprop")?, req("x")?, req("scale")?);
         let (rs1, rs2) = (req("reserve_space_1")?, req("reserve_space_2")?);
@@ -544,7 +565,9 @@ impl Op {
             check_vector(name, t)?;
         }
         // Rules 3 and 5: sizes.
-        let problem = Problem::new(attrs.data_format, x.shape())?.with_epsilon(attrs.epsilon);
+        let problem = Problem::new(attrs.data_format, x.shape())?
+            .with_epsilon(attrs.epsilon)
+            .with_isa(isa)?;
         let c = problem.channels();
         check_same_shape("y_backprop", dy, x)?;
         check_same_shape("grad_x_backprop", ga, x)?;
@@ -1040,6 +1063,41 @@ impl Outputs {
         Outputs {
             entries: op.output_names().iter().copied().zip(tensors).collect(),
         }
+    }
+
+    /// The outputs of `op` from tensors in the op's output order
+    /// ([`Op::output_names`]): for outputs computed elsewhere (the typed layer, a file)
+    /// to be checked like the op's own (`fusedbn::driver::check`). Fails when the count
+    /// is not the op's number of outputs; the tensors' shapes are not checked here.
+    ///
+    /// ```
+    /// use fusedbn::{DType, Tensor, ops::{Op, Outputs}};
+    /// let x_backprop = Tensor::new(vec![1, 1, 2, 1], vec![0.5f32, -0.5])?;
+    /// let (ds, db) = (Tensor::vector(vec![1.0f32]), Tensor::vector(vec![0.0f32]));
+    /// let empty = Tensor::empty(DType::F32);
+    /// let out = Outputs::from_tensors(
+    ///     Op::FusedBatchNormGradV3,
+    ///     vec![x_backprop, ds, db, empty.clone(), empty.clone()],
+    /// )?;
+    /// assert_eq!(out.get("offset_backprop").unwrap().as_slice::<f32>(), Some(&[0.0f32][..]));
+    /// assert!(Outputs::from_tensors(Op::FusedBatchNormGradV3, vec![empty]).is_err());
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn from_tensors(op: Op, tensors: Vec<Tensor>) -> Result<Self> {
+        let names = op.output_names();
+        if tensors.len() != names.len() {
+            return Err(Error::arg(
+                "outputs",
+                format!(
+                    "{} tensors for {} ({})",
+                    names.len(),
+                    op.name(),
+                    names.join(", ")
+                ),
+                tensors.len().to_string(),
+            ));
+        }
+        Ok(Outputs::new(op, tensors))
     }
 
     /// The output `name`.

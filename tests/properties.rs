@@ -1,239 +1,140 @@
-//! The optimized passes against the f64 reference over random shapes, formats,
-//! dtypes and odd sizes, through the typed layer; plus thread-count independence.
+//! Every op against the f64 reference over random shapes, formats, dtypes, fills and
+//! odd sizes, with the kernels of every ISA this CPU has — through the library's driver
+//! (`fusedbn::driver`: its inputs, its reference and its one tolerance policy); plus
+//! thread-count independence and the independence of streamed outputs from alignment.
 
-mod common;
-
-use common::{eps, Rng};
-use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
-use fusedbn::kernels::simd::Isa;
-use fusedbn::{reference, DataFormat, Element, Problem, Real};
-use half::{bf16, f16};
+use fusedbn::batch_norm::{Gradients, SavedStats};
+use fusedbn::driver::{check, reference, Case, Fill};
+use fusedbn::ops::Op;
+use fusedbn::{DType, DataFormat, Isa, Tensor};
 use proptest::prelude::*;
 
-/// A random problem: data, statistics and the f64 view of what the kernels see.
-struct Data<T: Element> {
-    p: Problem,
-    x: Vec<T>,
-    dy: Vec<T>,
-    scale: Vec<T::Stat>,
-    offset: Vec<T::Stat>,
-    mean: Vec<T::Stat>,
-    variance: Vec<T::Stat>,
+/// One op in one mode.
+#[derive(Clone, Copy, Debug)]
+struct Mode {
+    op: Op,
+    training: bool,
+    /// Ex forward: a side input.
+    side: bool,
+    /// Ex ops: ReLU (else Identity).
+    relu: bool,
 }
 
-fn logical_to_shape(format: DataFormat, n: usize, spatial: &[usize], c: usize) -> Vec<usize> {
-    let mut s = vec![n];
-    if format.is_channels_last() {
-        s.extend_from_slice(spatial);
-        s.push(c);
-    } else {
-        s.push(c);
-        s.extend_from_slice(spatial);
-    }
-    s
-}
-
-fn make<T: Element>(format: DataFormat, shape: &[usize], eps_attr: f32, seed: u64) -> Data<T> {
-    let p = Problem::new(format, shape).unwrap().with_epsilon(eps_attr);
-    let c = p.channels();
-    let mut rng = Rng::new(seed);
-    let centre: Vec<f64> = (0..c).map(|_| rng.normal() * 3.0).collect();
-    let spread: Vec<f64> = (0..c).map(|_| 0.5 + rng.uniform() * 2.0).collect();
-    let axis = format.channel_axis();
-    let stride: usize = shape[axis + 1..].iter().product();
-    let x = (0..p.len())
-        .map(|i| {
-            let ch = (i / stride) % c;
-            T::narrow(T::Stat::from_f64(centre[ch] + spread[ch] * rng.normal()))
-        })
-        .collect();
-    let dy = (0..p.len())
-        .map(|_| T::narrow(T::Stat::from_f64(rng.normal())))
-        .collect();
-    let u = |v: f64| T::Stat::from_f64(v);
-    Data {
-        scale: (0..c).map(|_| u(0.5 + rng.uniform())).collect(),
-        offset: (0..c).map(|_| u(rng.normal())).collect(),
-        mean: (0..c).map(|_| u(rng.normal() * 3.0)).collect(),
-        variance: (0..c).map(|_| u(0.5 + rng.uniform() * 4.0)).collect(),
-        p,
-        x,
-        dy,
-    }
-}
-
-fn f64s<T: Element>(v: &[T]) -> Vec<f64> {
-    v.iter().map(|e| e.widen().to_f64()).collect()
-}
-
-/// `got` (rounded to T) against the unrounded reference: an f32 computation error of
-/// `rel·max|ref|` plus one rounding of T.
-fn close<T: Element>(what: &str, got: &[T], want: &[f64], rel: f64) -> Result<(), TestCaseError> {
-    close_scaled(what, got, want, rel, 0.0)
-}
-
-/// As [`close`], with the error scale at least `floor` (for results that are small
-/// differences of larger terms).
-fn close_scaled<T: Element>(
-    what: &str,
-    got: &[T],
-    want: &[f64],
-    rel: f64,
-    floor: f64,
-) -> Result<(), TestCaseError> {
-    prop_assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(floor, |m, v| m.max(v.abs()));
-    let ulp = 2.0 * eps(T::DTYPE);
-    for (i, (g, w)) in f64s(got).iter().zip(want).enumerate() {
-        let tol = rel * scale + ulp * w.abs();
-        prop_assert!(
-            (g - w).abs() <= tol,
-            "{}[{}]: got {}, want {} (tol {:e})",
-            what,
-            i,
-            g,
-            w,
-            tol
-        );
-    }
-    Ok(())
-}
-
-/// [`check_one`] with the kernels of every ISA this machine supports.
-fn check_all<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> {
-    for isa in Isa::supported() {
-        let d = Data {
-            p: d.p.clone().with_isa(isa).unwrap(),
-            x: d.x.clone(),
-            dy: d.dy.clone(),
-            scale: d.scale.clone(),
-            offset: d.offset.clone(),
-            mean: d.mean.clone(),
-            variance: d.variance.clone(),
-        };
-        check_one(&d, factor).map_err(|e| TestCaseError::fail(format!("isa {isa}: {e}")))?;
-    }
-    Ok(())
-}
-
-fn check_one<T: Element>(d: &Data<T>, factor: f32) -> Result<(), TestCaseError> {
-    let (p, c) = (&d.p, d.p.channels());
-    let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
-    let (x, dy) = (f64s(&d.x), f64s(&d.dy));
-    let (scale, offset) = (f64s(&d.scale), f64s(&d.offset));
-    let (mean, variance) = (f64s(&d.mean), f64s(&d.variance));
-    let zero = T::Stat::ZERO;
-
-    // Forward, training.
-    let mut y = vec![T::default(); p.len()];
-    let (mut mu, mut var) = (vec![zero; c], vec![zero; c]);
-    let (mut rm, mut rv) = (d.mean.clone(), d.variance.clone());
-    p.forward_training(
-        &d.x,
-        &d.scale,
-        &d.offset,
-        &mut y,
-        SavedStats {
-            mean: &mut mu,
-            variance: &mut var,
-        },
-        Some(RunningStats {
-            mean: &mut rm,
-            variance: &mut rv,
-            factor,
-        }),
-    )
-    .unwrap();
-    let r = reference::forward_training(
-        fmt,
-        shape,
-        &x,
-        &scale,
-        &offset,
-        &mean,
-        &variance,
-        e,
-        f64::from(factor),
-    );
-    close("y", &y, &r.y, 1e-5)?;
-    // A mean's rounding error is relative to the data it averages, not to itself.
-    let x_max = x.iter().fold(0f64, |m, v| m.max(v.abs()));
-    close_scaled("reserve_space_1", &mu, &r.reserve_space_1, 1e-6, x_max)?;
-    close("reserve_space_2", &var, &r.reserve_space_2, 1e-5)?;
-    close_scaled("batch_mean", &rm, &r.batch_mean, 1e-6, x_max)?;
-    close("batch_variance", &rv, &r.batch_variance, 1e-5)?;
-
-    // Forward, inference.
-    p.forward_inference(&d.x, &d.scale, &d.offset, &d.mean, &d.variance, &mut y)
-        .unwrap();
-    let r = reference::forward_inference(fmt, shape, &x, &scale, &offset, &mean, &variance, e);
-    close("y (inference)", &y, &r.y, 1e-5)?;
-
-    check_ex(d, &mu, &var)?;
-    check_second_order(d, &mu, &var)?;
-
-    // Gradients: training with the saved statistics, inference with the population ones.
+/// Every op in both modes: the plain ops of `version` (V3 where the format or dtype
+/// needs it), the Ex ops with `side`/`relu` (training with a side input always takes the
+/// ReLU, TensorFlow's rule) and the second-order op.
+fn modes(version: u8, format: DataFormat, dtype: DType, side: bool, relu: bool) -> Vec<Mode> {
+    let pick = |ops: [Op; 3]| {
+        let op = ops[usize::from(version.clamp(1, 3)) - 1];
+        if op.formats().contains(&format) && op.dtypes().contains(&dtype) {
+            op
+        } else {
+            ops[2]
+        }
+    };
+    let forward = pick([
+        Op::FusedBatchNorm,
+        Op::FusedBatchNormV2,
+        Op::FusedBatchNormV3,
+    ]);
+    let gradient = pick([
+        Op::FusedBatchNormGrad,
+        Op::FusedBatchNormGradV2,
+        Op::FusedBatchNormGradV3,
+    ]);
+    let second = pick([
+        Op::FusedBatchNormGradGrad,
+        Op::FusedBatchNormGradGradV2,
+        Op::FusedBatchNormGradGradV3,
+    ]);
+    let mut out = Vec::new();
     for training in [true, false] {
-        let (rs1, rs2) = if training {
-            (&mu, &var)
-        } else {
-            (&d.mean, &d.variance)
-        };
-        let mut dx = vec![T::default(); p.len()];
-        let (mut ds, mut db) = (vec![zero; c], vec![zero; c]);
-        let g = Gradients {
-            x: &mut dx,
-            scale: &mut ds,
-            offset: &mut db,
-        };
-        if training {
-            p.backward_training(&d.dy, &d.x, &d.scale, rs1, rs2, g)
-                .unwrap();
-        } else {
-            p.backward_inference(&d.dy, &d.x, &d.scale, rs1, rs2, g)
-                .unwrap();
-        }
-        let r = reference::backward(
-            fmt,
-            shape,
-            &dy,
-            &x,
-            &scale,
-            &f64s(rs1),
-            &f64s(rs2),
-            e,
+        let plain = |op| Mode {
+            op,
             training,
-        );
-        // dx is a difference of terms of size |dy|·scale·r: errors scale with those.
-        let r_max = f64s(rs2)
+            side: false,
+            relu: false,
+        };
+        out.extend([plain(forward), plain(gradient), plain(second)]);
+        out.push(Mode {
+            op: Op::FusedBatchNormEx,
+            training,
+            side,
+            relu: relu || (training && side),
+        });
+        out.push(Mode {
+            op: Op::FusedBatchNormGradEx,
+            training,
+            side: false,
+            relu,
+        });
+    }
+    out
+}
+
+/// The data of one property case (the op and mode come from [`modes`]).
+#[derive(Clone, Debug)]
+struct Data {
+    format: DataFormat,
+    /// `[N, spatial…, C]`.
+    logical: Vec<usize>,
+    dtype: DType,
+    fill: Fill,
+    seed: u64,
+    epsilon: f32,
+    /// `exponential_avg_factor` of forward training.
+    factor: f32,
+}
+
+/// Runs `mode` on `d` with every ISA this CPU has and checks each run against the f64
+/// reference with the driver's tolerance (`report.worst() ≤ 1`); the side input's
+/// gradient must be exactly the (masked) `y_backprop`.
+fn check_mode(d: &Data, mode: Mode) -> Result<(), String> {
+    let mut case = Case::new(mode.op, d.format, &d.logical, d.dtype)
+        .map_err(|e| format!("{mode:?} {d:?}: {e}"))?
+        .training(mode.training)
+        .fill(d.fill)
+        .seed(d.seed)
+        .ex(mode.side, mode.relu);
+    if !mode.op.is_gradient() && mode.training {
+        case = case.factor(d.factor);
+    }
+    case.attrs.epsilon = d.epsilon;
+    let inputs = case.inputs().map_err(|e| format!("{case}: inputs: {e}"))?;
+    let want = reference(case.op, &case.named(&inputs), &case.attrs, None)
+        .map_err(|e| format!("{case}: reference: {e}"))?;
+    for isa in Isa::supported() {
+        let case = case.clone().isa(isa);
+        let got = case.run(&inputs).map_err(|e| format!("{case}: {e}"))?;
+        let report = check(&want, &got).map_err(|e| format!("{case}: {e}"))?;
+        if report.worst() > 1.0 {
+            return Err(format!("{case}: out of tolerance\n{report}"));
+        }
+        if let Some(a) = report
+            .outputs
             .iter()
-            .zip(&scale)
-            .fold(0f64, |m, (v, s)| m.max(s.abs() / (v + e).sqrt()));
-        let floor = dy.iter().fold(0f64, |m, v| m.max(v.abs())) * r_max;
-        close_scaled("x_backprop", &dx, &r.x_backprop, 1e-5, floor)?;
-        let m = p.elements_per_channel() as f64;
-        let tol = 1e-5 * m.sqrt().max(1.0);
-        for ch in 0..c {
-            let (gs, gb) = (ds[ch].to_f64(), db[ch].to_f64());
-            prop_assert!(
-                (gb - r.offset_backprop[ch]).abs() <= tol * 4.0,
-                "offset_backprop[{}] {} vs {}",
-                ch,
-                gb,
-                r.offset_backprop[ch]
-            );
-            prop_assert!(
-                (gs - r.scale_backprop[ch]).abs() <= tol * 8.0 + 1e-6 * r.scale_backprop[ch].abs(),
-                "scale_backprop[{}] {} vs {}",
-                ch,
-                gs,
-                r.scale_backprop[ch]
-            );
+            .find(|a| a.name == "side_input_backprop")
+        {
+            if a.exact != a.compared {
+                return Err(format!(
+                    "{case}: side_input_backprop differs from the masked y_backprop\n{report}"
+                ));
+            }
         }
     }
     Ok(())
 }
 
+/// Every mode of [`modes`] on `d`.
+fn check_all(d: &Data, version: u8, side: bool, relu: bool) -> Result<(), TestCaseError> {
+    for mode in modes(version, d.format, d.dtype, side, relu) {
+        check_mode(d, mode).map_err(TestCaseError::fail)?;
+    }
+    Ok(())
+}
+
+/// A format and a logical `[N, spatial…, C]` shape with odd sizes: C = 1, M = 1, SIMD
+/// tails (7, 9, 17, 33), wide C.
 fn shape_strategy() -> impl Strategy<Value = (DataFormat, Vec<usize>)> {
     let c = prop_oneof![
         Just(1usize),
@@ -268,36 +169,86 @@ fn shape_strategy() -> impl Strategy<Value = (DataFormat, Vec<usize>)> {
         1usize..4,
     )
         .prop_map(|(f, c, a, b, d, n)| {
-            let spatial: Vec<usize> = if f.rank() == 5 {
-                vec![a, b, d.min(6)]
+            let logical = if f.rank() == 5 {
+                vec![n, a, b, d.min(6), c]
             } else {
-                vec![a, b]
+                vec![n, a, b, c]
             };
-            (f, logical_to_shape(f, n, &spatial, c))
+            (f, logical)
         })
+}
+
+/// Random data around a random centre and spread, or a constant gradient.
+fn fill_strategy() -> impl Strategy<Value = Fill> {
+    prop_oneof![
+        3 => (-4.0f64..4.0, 0.25f64..3.0).prop_map(|(mean, std)| Fill::Random { mean, std }),
+        1 => (-1.0f64..1.0).prop_map(|dy| Fill::Constant { dy }),
+    ]
+}
+
+/// The property case for `dtype`.
+fn data(
+    (format, logical): (DataFormat, Vec<usize>),
+    dtype: DType,
+    fill: Fill,
+    seed: u64,
+    epsilon: f32,
+    factor: f32,
+) -> Data {
+    Data {
+        format,
+        logical,
+        dtype,
+        fill,
+        seed,
+        epsilon,
+        factor,
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
     #[test]
-    fn f32_matches_reference((f, shape) in shape_strategy(), seed: u64, factor in prop_oneof![Just(1.0f32), 0.0f32..1.0]) {
-        check_all(&make::<f32>(f, &shape, 1e-3, seed), factor)?;
+    fn f32_matches_reference(
+        shape in shape_strategy(), fill in fill_strategy(), seed: u64,
+        factor in prop_oneof![Just(1.0f32), 0.0f32..1.0],
+        version in 1u8..=3, side: bool, relu: bool,
+    ) {
+        check_all(&data(shape, DType::F32, fill, seed, 1e-3, factor), version, side, relu)?;
     }
 
     #[test]
-    fn f16_matches_reference((f, shape) in shape_strategy(), seed: u64) {
-        check_all(&make::<f16>(f, &shape, 1e-3, seed), 1.0)?;
+    fn f16_matches_reference(
+        shape in shape_strategy(), fill in fill_strategy(), seed: u64,
+        version in 2u8..=3, side: bool, relu: bool,
+    ) {
+        check_all(&data(shape, DType::F16, fill, seed, 1e-3, 1.0), version, side, relu)?;
     }
 
     #[test]
-    fn bf16_matches_reference((f, shape) in shape_strategy(), seed: u64) {
-        check_all(&make::<bf16>(f, &shape, 1e-3, seed), 0.1)?;
+    fn bf16_matches_reference(
+        shape in shape_strategy(), fill in fill_strategy(), seed: u64,
+        version in 2u8..=3, side: bool, relu: bool,
+    ) {
+        check_all(&data(shape, DType::BF16, fill, seed, 1e-3, 0.1), version, side, relu)?;
     }
 
     #[test]
-    fn f64_matches_reference((f, shape) in shape_strategy(), seed: u64) {
-        check_all(&make::<f64>(f, &shape, 1e-5, seed), 1.0)?;
+    fn f64_matches_reference(
+        shape in shape_strategy(), fill in fill_strategy(), seed: u64,
+        version in 1u8..=3, side: bool, relu: bool,
+    ) {
+        check_all(&data(shape, DType::F64, fill, seed, 1e-5, 1.0), version, side, relu)?;
+    }
+}
+
+/// A shape in `format`'s axis order as the driver's logical `[N, spatial…, C]`.
+fn logical(format: DataFormat, shape: &[usize]) -> Vec<usize> {
+    if format.is_channels_last() {
+        shape.to_vec()
+    } else {
+        [&shape[..1], &shape[2..], &shape[1..2]].concat()
     }
 }
 
@@ -321,10 +272,29 @@ fn large_and_odd_geometries_match_reference() {
         (DataFormat::Nhwc, &[2, 9, 7, 1000]),  // period lcm(1000, 16) = 2000
     ];
     for (i, (f, s)) in cases.iter().enumerate() {
-        check_all(&make::<f32>(*f, s, 1e-3, i as u64), 0.25)
-            .unwrap_or_else(|e| panic!("{f} {s:?}: {e}"));
-        check_all(&make::<bf16>(*f, s, 1e-3, i as u64), 1.0)
-            .unwrap_or_else(|e| panic!("bf16 {f} {s:?}: {e}"));
+        let shape = (*f, logical(*f, s));
+        let seed = i as u64;
+        let f32s = data(shape.clone(), DType::F32, Fill::default(), seed, 1e-3, 0.25);
+        check_all(&f32s, 3, true, true).unwrap_or_else(|e| panic!("{f} {s:?}: {e}"));
+        let bf16s = data(shape, DType::BF16, Fill::default(), seed, 1e-3, 1.0);
+        check_all(&bf16s, 3, true, true).unwrap_or_else(|e| panic!("bf16 {f} {s:?}: {e}"));
+    }
+}
+
+/// Empty tensors (N = 0, a spatial size 0, C = 0): every op in both modes, as the
+/// reference says (NaN statistics of an empty batch, empty outputs).
+#[test]
+fn empty_tensors_match_reference() {
+    for (f, s) in [
+        (DataFormat::Nhwc, vec![0, 3, 4, 5]),
+        (DataFormat::Nchw, vec![2, 0, 4, 5]),
+        (DataFormat::Nhwc, vec![2, 3, 4, 0]),
+        (DataFormat::Ncdhw, vec![2, 1, 0, 4, 3]),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let d = data((f, s.clone()), dtype, Fill::default(), 1, 1e-3, 1.0);
+            check_all(&d, 3, true, true).unwrap_or_else(|e| panic!("{f} {s:?} {dtype}: {e}"));
+        }
     }
 }
 
@@ -334,59 +304,45 @@ fn large_and_odd_geometries_match_reference() {
 fn results_do_not_depend_on_thread_count() {
     // Channels-last, channel-major resident, channel-major in two passes.
     let shapes = [
-        (DataFormat::Nhwc, vec![8, 40, 40, 24]),
-        (DataFormat::Nchw, vec![8, 24, 40, 40]),
-        (DataFormat::Nchw, vec![64, 8, 64, 64]),
+        (DataFormat::Nhwc, [8, 40, 40, 24]),
+        (DataFormat::Nchw, [8, 40, 40, 24]),
+        (DataFormat::Nchw, [64, 64, 64, 8]),
     ];
     for isa in Isa::supported() {
-        for (f, s) in shapes.clone() {
-            let mut d = make::<f32>(f, &s, 1e-3, 7);
-            d.p = d.p.with_isa(isa).unwrap();
-            let run = |threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
-                pool.install(|| {
-                    let c = d.p.channels();
-                    let mut y = vec![0f32; d.p.len()];
-                    let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-                    d.p.forward_training(
-                        &d.x,
-                        &d.scale,
-                        &d.offset,
-                        &mut y,
-                        SavedStats {
-                            mean: &mut mu,
-                            variance: &mut var,
-                        },
-                        None,
-                    )
-                    .unwrap();
-                    let mut dx = vec![0f32; d.p.len()];
-                    let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
-                    d.p.backward_training(
-                        &d.dy,
-                        &d.x,
-                        &d.scale,
-                        &mu,
-                        &var,
-                        Gradients {
-                            x: &mut dx,
-                            scale: &mut ds,
-                            offset: &mut db,
-                        },
-                    )
-                    .unwrap();
-                    (y, mu, var, dx, ds, db)
-                })
-            };
-            let one = run(1);
-            for t in [2, 3, 5] {
-                assert!(run(t) == one, "{f} {isa}: {t} threads differ from 1 thread");
+        for (f, s) in shapes {
+            for (op, training) in [
+                (Op::FusedBatchNormV3, true),
+                (Op::FusedBatchNormGradV3, true),
+            ] {
+                let case = Case::new(op, f, &s, DType::F32)
+                    .unwrap()
+                    .training(training)
+                    .seed(7)
+                    .isa(isa);
+                let inputs = case.inputs().unwrap();
+                let run = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    pool.install(|| case.run(&inputs).unwrap())
+                };
+                let one = run(1);
+                for t in [2, 3, 5] {
+                    assert!(run(t) == one, "{case}: {t} threads differ from 1 thread");
+                }
             }
         }
     }
+}
+
+/// A named input of the driver's as `f32`s.
+fn slice<'a>(inputs: &'a [(&'static str, Tensor)], name: &str) -> &'a [f32] {
+    inputs
+        .iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, t)| t.as_slice::<f32>())
+        .unwrap_or_else(|| panic!("no f32 input {name}"))
 }
 
 /// Outputs of 16 MB and more are written with non-temporal stores after an unaligned
@@ -394,23 +350,40 @@ fn results_do_not_depend_on_thread_count() {
 /// on where the buffers sit in memory.
 #[test]
 fn streamed_outputs_match_reference_and_ignore_alignment() {
-    for (f, s) in [
-        (DataFormat::Nhwc, [16usize, 300, 300, 3]),
-        (DataFormat::Nchw, [16, 3, 300, 300]),
-    ] {
-        let d = make::<f32>(f, &s, 1e-3, 11);
-        check_all(&d, 1.0).unwrap_or_else(|e| panic!("{f}: {e}"));
+    for f in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let s = [16usize, 300, 300, 3];
+        let d = data((f, s.to_vec()), DType::F32, Fill::default(), 11, 1e-3, 1.0);
+        check_all(&d, 3, true, true).unwrap_or_else(|e| panic!("{f}: {e}"));
+        // The forward's x, scale and offset; the gradient's dy and statistics.
+        let fwd = Case::new(Op::FusedBatchNormV3, f, &s, DType::F32)
+            .unwrap()
+            .seed(11);
+        let fwd_inputs = fwd.inputs().unwrap();
+        let grad = Case::new(Op::FusedBatchNormGradV3, f, &s, DType::F32)
+            .unwrap()
+            .seed(11);
+        let grad_inputs = grad.inputs().unwrap();
+        let (x, scale, offset) = (
+            slice(&fwd_inputs, "x"),
+            slice(&fwd_inputs, "scale"),
+            slice(&fwd_inputs, "offset"),
+        );
+        let (dy, mean, variance) = (
+            slice(&grad_inputs, "y_backprop"),
+            slice(&grad_inputs, "reserve_space_1"),
+            slice(&grad_inputs, "reserve_space_2"),
+        );
         for isa in Isa::supported() {
-            let p = d.p.clone().with_isa(isa).unwrap();
+            let p = fwd.problem().unwrap().with_isa(isa).unwrap();
             let n = p.len();
-            let run = |offset: usize| {
-                let mut buf = vec![0f32; n + offset];
+            let run = |offset_elems: usize| {
+                let mut buf = vec![0f32; n + offset_elems];
                 let (mut mu, mut var) = (vec![0f32; 3], vec![0f32; 3]);
                 p.forward_training(
-                    &d.x,
-                    &d.scale,
-                    &d.offset,
-                    &mut buf[offset..],
+                    x,
+                    scale,
+                    offset,
+                    &mut buf[offset_elems..],
                     SavedStats {
                         mean: &mut mu,
                         variance: &mut var,
@@ -418,294 +391,45 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
                     None,
                 )
                 .unwrap();
-                let mut dx = vec![0f32; n + offset];
+                let mut dx = vec![0f32; n + offset_elems];
                 let (mut ds, mut db) = (vec![0f32; 3], vec![0f32; 3]);
                 p.backward_training(
-                    &d.dy,
-                    &d.x,
-                    &d.scale,
+                    dy,
+                    x,
+                    scale,
                     &mu,
                     &var,
                     Gradients {
-                        x: &mut dx[offset..],
+                        x: &mut dx[offset_elems..],
                         scale: &mut ds,
                         offset: &mut db,
                     },
                 )
                 .unwrap();
-                let mut dxi = vec![0f32; n + offset];
+                let mut dxi = vec![0f32; n + offset_elems];
                 p.backward_inference(
-                    &d.dy,
-                    &d.x,
-                    &d.scale,
-                    &d.mean,
-                    &d.variance,
+                    dy,
+                    x,
+                    scale,
+                    mean,
+                    variance,
                     Gradients {
-                        x: &mut dxi[offset..],
+                        x: &mut dxi[offset_elems..],
                         scale: &mut ds,
                         offset: &mut db,
                     },
                 )
                 .unwrap();
                 (
-                    buf.split_off(offset),
-                    dx.split_off(offset),
-                    dxi.split_off(offset),
+                    buf.split_off(offset_elems),
+                    dx.split_off(offset_elems),
+                    dxi.split_off(offset_elems),
                 )
             };
             let base = run(0);
-            for offset in [1, 3, 8] {
-                assert!(
-                    run(offset) == base,
-                    "{f} {isa}: offset {offset} changes the result"
-                );
+            for o in [1, 3, 8] {
+                assert!(run(o) == base, "{f} {isa}: offset {o} changes the result");
             }
         }
     }
-}
-
-/// The Ex ops: `act(bn(x) + side)` forward, and the ReLU-masked gradient with the side
-/// input's gradient, both modes, against the reference composed from the plain ops.
-fn check_ex<T: Element>(d: &Data<T>, mu: &[T::Stat], var: &[T::Stat]) -> Result<(), TestCaseError> {
-    let (p, c) = (&d.p, d.p.channels());
-    let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
-    let (x, dy) = (f64s(&d.x), f64s(&d.dy));
-    let (scale, offset) = (f64s(&d.scale), f64s(&d.offset));
-    let side: Vec<T> = d.dy.iter().rev().copied().collect();
-    let side64 = f64s(&side);
-    let zero = T::Stat::ZERO;
-    for training in [true, false] {
-        let mut y = vec![T::default(); p.len()];
-        let (mut m2, mut v2) = (vec![zero; c], vec![zero; c]);
-        if training {
-            p.forward_training_ex(
-                &d.x,
-                &d.scale,
-                &d.offset,
-                Some(&side),
-                Activation::Relu,
-                &mut y,
-                SavedStats {
-                    mean: &mut m2,
-                    variance: &mut v2,
-                },
-                None,
-            )
-            .unwrap();
-        } else {
-            p.forward_inference_ex(
-                &d.x,
-                &d.scale,
-                &d.offset,
-                &d.mean,
-                &d.variance,
-                Some(&side),
-                Activation::Relu,
-                &mut y,
-            )
-            .unwrap();
-        }
-        let base = if training {
-            reference::forward_training(fmt, shape, &x, &scale, &offset, &[], &[], e, 1.0).y
-        } else {
-            reference::forward_inference(
-                fmt,
-                shape,
-                &x,
-                &scale,
-                &offset,
-                &f64s(&d.mean),
-                &f64s(&d.variance),
-                e,
-            )
-            .y
-        };
-        let want = reference::epilogue(&base, Some(&side64), true);
-        let floor = base.iter().chain(&side64).fold(0f64, |m, v| m.max(v.abs()));
-        close_scaled("y (Ex, relu)", &y, &want, 1e-5, floor)?;
-
-        // Gradient through the ReLU, masked by our own y (so both sides agree on ties).
-        let (rs1, rs2) = if training {
-            (mu, var)
-        } else {
-            (&d.mean[..], &d.variance[..])
-        };
-        let mut dx = vec![T::default(); p.len()];
-        let mut side_grad = vec![T::default(); p.len()];
-        let (mut ds, mut db) = (vec![zero; c], vec![zero; c]);
-        let g = Gradients {
-            x: &mut dx,
-            scale: &mut ds,
-            offset: &mut db,
-        };
-        if training {
-            p.backward_training_ex(
-                &d.dy,
-                &d.x,
-                &d.scale,
-                rs1,
-                rs2,
-                Some(&y),
-                g,
-                Some(&mut side_grad),
-            )
-            .unwrap();
-        } else {
-            p.backward_inference_ex(
-                &d.dy,
-                &d.x,
-                &d.scale,
-                rs1,
-                rs2,
-                Some(&y),
-                g,
-                Some(&mut side_grad),
-            )
-            .unwrap();
-        }
-        let masked = reference::relu_mask(&dy, &f64s(&y));
-        // The side input's gradient is exactly the masked dy.
-        prop_assert!(
-            f64s(&side_grad) == masked,
-            "side_input_backprop differs from the masked dy"
-        );
-        let r = reference::backward(
-            fmt,
-            shape,
-            &masked,
-            &x,
-            &scale,
-            &f64s(rs1),
-            &f64s(rs2),
-            e,
-            training,
-        );
-        let r_max = f64s(rs2)
-            .iter()
-            .zip(&scale)
-            .fold(0f64, |m, (v, s)| m.max(s.abs() / (v + e).sqrt()));
-        let floor = dy.iter().fold(0f64, |m, v| m.max(v.abs())) * r_max;
-        close_scaled("x_backprop (Ex, relu)", &dx, &r.x_backprop, 1e-5, floor)?;
-        let tol = 1e-5 * (p.elements_per_channel() as f64).sqrt().max(1.0);
-        for ch in 0..c {
-            prop_assert!(
-                (db[ch].to_f64() - r.offset_backprop[ch]).abs() <= 4.0 * tol,
-                "Ex offset_backprop[{}]",
-                ch
-            );
-            prop_assert!(
-                (ds[ch].to_f64() - r.scale_backprop[ch]).abs()
-                    <= 8.0 * tol + 1e-6 * r.scale_backprop[ch].abs(),
-                "Ex scale_backprop[{}]",
-                ch
-            );
-        }
-    }
-    Ok(())
-}
-
-/// The gradient of the gradient op, both modes, against the reference.
-fn check_second_order<T: Element>(
-    d: &Data<T>,
-    mu: &[T::Stat],
-    var: &[T::Stat],
-) -> Result<(), TestCaseError> {
-    let (p, c) = (&d.p, d.p.channels());
-    let (fmt, shape, e) = (p.format(), p.shape(), f64::from(p.epsilon()));
-    // Upstream gradients: A has the shape of x, a and b are per channel.
-    let ga: Vec<T> = d.dy.iter().rev().copied().collect();
-    let (gs, go) = (d.offset.clone(), d.scale.clone());
-    let zero = T::Stat::ZERO;
-    for training in [true, false] {
-        let (rs1, rs2) = if training {
-            (mu, var)
-        } else {
-            (&d.mean[..], &d.variance[..])
-        };
-        let (mut dg, mut dx, mut dscale) = (
-            vec![T::default(); p.len()],
-            vec![T::default(); p.len()],
-            vec![zero; c],
-        );
-        p.second_order(
-            &d.dy,
-            &d.x,
-            &d.scale,
-            rs1,
-            rs2,
-            &ga,
-            &gs,
-            &go,
-            training,
-            SecondOrderGradients {
-                y_backprop: &mut dg,
-                x: &mut dx,
-                scale: &mut dscale,
-            },
-        )
-        .unwrap();
-        let r = reference::second_order(
-            fmt,
-            shape,
-            &f64s(&d.dy),
-            &f64s(&d.x),
-            &f64s(&d.scale),
-            &f64s(rs1),
-            &f64s(rs2),
-            &f64s(&ga),
-            &f64s(&gs),
-            &f64s(&go),
-            e,
-            training,
-        );
-        // Terms of size |A|·scale·r, |a|·|x̂|, |b| and their products with r: scale by those.
-        let var64 = if training {
-            reference::forward_training(
-                fmt,
-                shape,
-                &f64s(&d.x),
-                &vec![1.0; c],
-                &vec![0.0; c],
-                &[],
-                &[],
-                e,
-                1.0,
-            )
-            .reserve_space_2
-        } else {
-            f64s(rs2)
-        };
-        let r_max = var64.iter().fold(0f64, |m, v| m.max(1.0 / (v + e).sqrt()));
-        let big = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs()));
-        let (sc, a_max, gsm) = (
-            big(&f64s(&d.scale)),
-            big(&f64s(&ga)).max(big(&f64s(&d.dy))),
-            big(&f64s(&gs)).max(big(&f64s(&go))),
-        );
-        let floor = (a_max * sc * r_max + gsm * 8.0) * r_max.max(1.0) * 8.0;
-        let mode = if training { "training" } else { "inference" };
-        close_scaled(
-            &format!("grad_y_backprop ({mode})"),
-            &dg,
-            &r.grad_y_backprop,
-            1e-5,
-            floor,
-        )?;
-        close_scaled(
-            &format!("grad_x ({mode})"),
-            &dx,
-            &r.grad_x,
-            1e-5,
-            floor * r_max.max(1.0),
-        )?;
-        let m = p.elements_per_channel() as f64;
-        close_scaled(
-            &format!("grad_scale ({mode})"),
-            &dscale,
-            &r.grad_scale,
-            1e-5,
-            floor * m.sqrt(),
-        )?;
-    }
-    Ok(())
 }

@@ -32,11 +32,15 @@ use std::io::{IsTerminal, Write as _};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use std::any::Any;
+
 use clap::{Args, ValueEnum};
 use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
+use fusedbn::driver::{self, Placement};
 use fusedbn::kernels::simd::Isa;
 use fusedbn::kernels::{PARALLEL_MIN, TASK};
-use fusedbn::{reference, DType, DataFormat, Element, Problem, Real};
+use fusedbn::ops::{Op, Outputs};
+use fusedbn::{DType, DataFormat, Element, Problem, Real, Tensor, TensorData};
 use rayon::prelude::*;
 
 use crate::error::{CliError, Result};
@@ -261,9 +265,32 @@ impl BenchOp {
         }
     }
 
-    /// Tensors of x's size the op reads and writes.
-    fn tensors_moved(self) -> usize {
-        self.inputs() + self.outputs()
+    /// The TensorFlow op and mode this pass is, as a [`driver::Case`] on x of logical
+    /// shape `[N, spatial…, C]`: the V3 ops for the plain passes, `_FusedBatchNormEx`
+    /// with a side input and Relu, `_FusedBatchNormGradEx` with Relu (its `y` is the
+    /// mask), `FusedBatchNormGradGradV3` for second order.
+    fn driver_case(
+        self,
+        format: DataFormat,
+        logical: &[usize],
+        dtype: DType,
+    ) -> fusedbn::Result<driver::Case> {
+        let (op, training) = match self {
+            BenchOp::ForwardTraining => (Op::FusedBatchNormV3, true),
+            BenchOp::ForwardInference => (Op::FusedBatchNormV3, false),
+            BenchOp::BackwardTraining => (Op::FusedBatchNormGradV3, true),
+            BenchOp::BackwardInference => (Op::FusedBatchNormGradV3, false),
+            BenchOp::ForwardTrainingEx => (Op::FusedBatchNormEx, true),
+            BenchOp::BackwardTrainingEx => (Op::FusedBatchNormGradEx, true),
+            BenchOp::SecondOrderTraining => (Op::FusedBatchNormGradGradV3, true),
+            BenchOp::SecondOrderInference => (Op::FusedBatchNormGradGradV3, false),
+        };
+        let case = driver::Case::new(op, format, logical, dtype)?.training(training);
+        Ok(match self {
+            BenchOp::ForwardTrainingEx => case.ex(true, true),
+            BenchOp::BackwardTrainingEx => case.ex(false, true),
+            _ => case,
+        })
     }
 }
 
@@ -409,26 +436,30 @@ fn effective_isa(dtype: DType, isa: Isa) -> Isa {
     }
 }
 
-/// The shape of `x` in `format`'s own axis order.
-fn layout(logical: &LogicalShape, format: DataFormat) -> Result<Vec<usize>> {
-    let (n, d, h, w, c) = match logical.0[..] {
-        [n, h, w, c] => (n, None, h, w, c),
-        [n, d, h, w, c] => (n, Some(d), h, w, c),
-        _ => return Err(CliError::new("a shape has 4 or 5 dimensions")),
-    };
-    Ok(match (format, d) {
-        (DataFormat::Nhwc, None) => vec![n, h, w, c],
-        (DataFormat::Nchw, None) => vec![n, c, h, w],
-        (DataFormat::Ndhwc, d) => vec![n, d.unwrap_or(1), h, w, c],
-        (DataFormat::Ncdhw, d) => vec![n, c, d.unwrap_or(1), h, w],
-        (DataFormat::Nhwc | DataFormat::Nchw, Some(_)) => {
+/// `logical` as the `[N, spatial…, C]` of `format`'s rank (a 4-number shape in a 5-D
+/// format gets D = 1).
+fn logical_for(logical: &LogicalShape, format: DataFormat) -> Result<Vec<usize>> {
+    match (logical.0.len(), format.rank()) {
+        (4, 5) => {
+            let mut v = logical.0.clone();
+            v.insert(1, 1);
+            Ok(v)
+        }
+        (a, b) if a == b => Ok(logical.0.clone()),
+        _ => {
             let dims: Vec<String> = logical.0.iter().map(|d| d.to_string()).collect();
-            return Err(CliError::new(format!(
+            Err(CliError::new(format!(
                 "--shape {} has 5 dimensions (N,D,H,W,C): it needs a 5-D --format (NDHWC or NCDHW), not {format}",
                 dims.join(",")
-            )));
+            )))
         }
-    })
+    }
+}
+
+/// The shape of `x` in `format`'s own axis order.
+#[cfg(test)]
+fn layout(logical: &LogicalShape, format: DataFormat) -> Result<Vec<usize>> {
+    Ok(driver::layout(format, &logical_for(logical, format)?)?)
 }
 
 /// One benchmark case.
@@ -443,9 +474,32 @@ pub struct Case {
     pub isa: Isa,
     /// Index into the thread pools (one per `--threads` value).
     pub pool: usize,
+    /// The same problem for the library's driver: its inputs, reference and check.
+    pub driver: driver::Case,
 }
 
 impl Case {
+    /// `op` on x of `logical` shape (`[N, spatial…, C]` of the format's rank).
+    fn new(
+        op: BenchOp,
+        format: DataFormat,
+        logical: &[usize],
+        dtype: DType,
+        isa: Isa,
+        pool: usize,
+    ) -> Result<Case> {
+        let driver = op.driver_case(format, logical, dtype)?.isa(isa);
+        Ok(Case {
+            op,
+            format,
+            shape: driver.shape.clone(),
+            dtype,
+            isa,
+            pool,
+            driver,
+        })
+    }
+
     fn shape_str(&self) -> String {
         let dims: Vec<String> = self.shape.iter().map(|d| d.to_string()).collect();
         dims.join("x")
@@ -462,9 +516,10 @@ impl Case {
         )
     }
 
-    /// Bytes the op reads and writes (also the progress bar's weight).
+    /// Bytes the op reads and writes (also the progress bar's weight): the driver's
+    /// count, the same k + j tensors of x's size as the copy baseline moves.
     fn bytes(&self) -> usize {
-        self.op.tensors_moved() * self.shape.iter().product::<usize>() * self.dtype.size()
+        self.driver.bytes()
     }
 }
 
@@ -508,7 +563,7 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
             vec![DataFormat::Nhwc, DataFormat::Nchw]
         };
         for format in formats {
-            let shape = layout(logical, format)?;
+            let logical = logical_for(logical, format)?;
             for &op in &ops {
                 for &dtype in &dtypes {
                     // ISAs that run the same kernels for this dtype (f64) run once.
@@ -519,14 +574,7 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
                         }
                         seen.push(effective_isa(dtype, isa));
                         for pool in 0..pools {
-                            out.push(Case {
-                                op,
-                                format,
-                                shape: shape.clone(),
-                                dtype,
-                                isa,
-                                pool,
-                            });
+                            out.push(Case::new(op, format, &logical, dtype, isa, pool)?);
                         }
                     }
                 }
@@ -769,7 +817,7 @@ fn measure<T: Element>(case: &Case, plan: Plan) -> Result<Measurement> {
     Ok(Measurement {
         op,
         copy,
-        bytes: case.op.tensors_moved() * w.x.len() * T::DTYPE.size(),
+        bytes: case.bytes(),
         isa: effective_isa(T::DTYPE, w.problem.isa()),
         check,
     })
@@ -792,10 +840,11 @@ struct Workload<T: Element> {
     /// (second order); empty otherwise.
     out2: Vec<T>,
     scale: Vec<T::Stat>,
+    /// Empty where the op takes no offset.
     offset: Vec<T::Stat>,
     /// Inputs: the population statistics (inference ops and second order, which in
-    /// training does not read them) or the batch statistics of x (backward training,
-    /// computed once during setup).
+    /// training does not read them) or the reserve spaces of the gradients (the
+    /// driver's nominal statistics of x).
     mean: Vec<T::Stat>,
     variance: Vec<T::Stat>,
     /// Per-channel outputs: forward training's saved and running statistics, the
@@ -803,100 +852,76 @@ struct Workload<T: Element> {
     /// order's grad_scale (`stat_out[0]`). Second order's per-channel inputs
     /// grad_scale_backprop and grad_offset_backprop are `stat_out[2..4]`.
     stat_out: [Vec<T::Stat>; 4],
+    /// The op the driver names the outputs by.
+    driver_op: Op,
+    /// The driver's reference on [`sample_channels`], from the inputs (made at setup).
+    want: driver::Reference,
 }
 
-/// Deterministic side input of the Ex forward ops (about half of `bn(x) + side` is
-/// negative, so the Relu masks about half).
-fn side_input(i: usize) -> f64 {
-    0.25 * noise(3, i)
+/// Takes the first input named one of `names` out of `inputs`, as a vector of `E`
+/// (moved, not copied); empty when there is none.
+fn take<E: Element>(inputs: &mut Vec<(&'static str, Tensor)>, names: &[&str]) -> Result<Vec<E>> {
+    let Some(i) = inputs.iter().position(|(n, _)| names.contains(n)) else {
+        return Ok(Vec::new());
+    };
+    let (name, t) = inputs.swap_remove(i);
+    let dtype = t.dtype();
+    let any: Box<dyn Any> = match t.into_parts().1 {
+        TensorData::F16(v) => Box::new(v),
+        TensorData::BF16(v) => Box::new(v),
+        TensorData::F32(v) => Box::new(v),
+        TensorData::F64(v) => Box::new(v),
+    };
+    any.downcast::<Vec<E>>().map(|v| *v).map_err(|_| {
+        CliError::new(format!(
+            "the driver's input {name} is {dtype}, expected {}",
+            E::DTYPE
+        ))
+    })
 }
 
 impl<T: Element> Workload<T> {
+    /// The driver's inputs for `case` (made once), its reference on the sampled
+    /// channels, then the inputs moved into typed buffers and the outputs allocated.
     fn new(case: &Case) -> Result<Self> {
-        let problem = Problem::new(case.format, &case.shape)?.with_isa(case.isa)?;
+        let d = &case.driver;
+        let problem = d.problem()?.with_isa(case.isa)?;
         let c = problem.channels();
-        let channel_of = channel_index(&problem);
-        let x = generate(problem.len(), |i| {
-            let ch = channel_of(i);
-            channel_mean(ch) + channel_std(ch) * noise(1, i)
-        });
-        let dy = if case.op.reads_dy() {
-            // Correlated with x and off-centre, so that Σdy and Σdy·(x−μ) are far from 0.
-            generate(problem.len(), |i| {
-                0.25 + 0.5 * noise(1, i) + 0.5 * noise(2, i)
-            })
-        } else {
-            Vec::new()
-        };
+        let mut inputs = d.inputs()?;
+        let want = driver::reference(d.op, &d.named(&inputs), &d.attrs, Some(&sample_channels(c)))?;
         let extra = match case.op {
-            BenchOp::ForwardTrainingEx => generate(problem.len(), side_input),
-            BenchOp::BackwardTrainingEx => vec![T::default(); problem.len()], // y, below
-            // grad_x_backprop: correlated with dy and x, off-centre.
-            op if op.is_second_order() => generate(problem.len(), |i| {
-                -0.125 + 0.5 * noise(4, i) + 0.25 * noise(1, i) + 0.25 * noise(2, i)
-            }),
-            _ => Vec::new(),
+            BenchOp::ForwardTrainingEx => "side_input",
+            BenchOp::BackwardTrainingEx => "y",
+            _ => "grad_x_backprop",
         };
-        let stat = |f: &dyn Fn(usize) -> f64| -> Vec<T::Stat> {
-            (0..c).map(|ch| T::Stat::from_f64(f(ch))).collect()
-        };
-        let mut w = Workload {
+        let x = take(&mut inputs, &["x"])?;
+        let dy = take(&mut inputs, &["y_backprop"])?;
+        let extra = take(&mut inputs, &[extra])?;
+        let scale = take(&mut inputs, &["scale"])?;
+        let offset = take(&mut inputs, &["offset"])?;
+        let mean = take(&mut inputs, &["mean", "reserve_space_1"])?;
+        let variance = take(&mut inputs, &["variance", "reserve_space_2"])?;
+        let mut stat_out: [Vec<T::Stat>; 4] = std::array::from_fn(|_| vec![T::Stat::ZERO; c]);
+        if case.op.is_second_order() {
+            stat_out[2] = take(&mut inputs, &["grad_scale_backprop"])?;
+            stat_out[3] = take(&mut inputs, &["grad_offset_backprop"])?;
+        }
+        Ok(Workload {
             op: case.op,
+            out: vec![T::default(); problem.len()],
+            out2: vec![T::default(); (case.op.outputs() - 1) * problem.len()],
+            problem,
             x,
             dy,
             extra,
-            out: vec![T::default(); problem.len()],
-            out2: vec![T::default(); (case.op.outputs() - 1) * problem.len()],
-            scale: stat(&|ch| 0.5 + 0.25 * (ch % 3) as f64),
-            offset: stat(&|ch| 0.1 * ((ch % 4) as f64 - 1.5)),
-            mean: stat(&|ch| channel_mean(ch) + 0.1),
-            variance: stat(&|ch| 1.1 * channel_std(ch).powi(2)),
-            stat_out: std::array::from_fn(|_| vec![T::Stat::ZERO; c]),
-            problem,
-        };
-        if matches!(
-            case.op,
-            BenchOp::BackwardTraining | BenchOp::BackwardTrainingEx
-        ) {
-            // The gradient's reserve spaces: x's own batch statistics; for the Ex
-            // gradient also the Relu output y of `forward_training_ex` (its mask).
-            let side: Vec<T> = if case.op == BenchOp::BackwardTrainingEx {
-                generate(w.problem.len(), side_input)
-            } else {
-                Vec::new()
-            };
-            let [m, v, rm, rv] = &mut w.stat_out;
-            let (side, activation, y) = if side.is_empty() {
-                (None, Activation::Identity, &mut w.out)
-            } else {
-                (Some(&side[..]), Activation::Relu, &mut w.extra)
-            };
-            w.problem.forward_training_ex(
-                &w.x,
-                &w.scale,
-                &w.offset,
-                side,
-                activation,
-                y,
-                SavedStats {
-                    mean: m,
-                    variance: v,
-                },
-                Some(RunningStats {
-                    mean: rm,
-                    variance: rv,
-                    factor: 1.0,
-                }),
-            )?;
-            w.mean.copy_from_slice(m);
-            w.variance.copy_from_slice(v);
-        }
-        if case.op.is_second_order() {
-            // grad_scale_backprop and grad_offset_backprop.
-            w.stat_out[2] = stat(&|ch| 0.3 - 0.2 * (ch % 3) as f64);
-            w.stat_out[3] = stat(&|ch| 0.05 * ((ch % 5) as f64 - 2.0));
-        }
-        Ok(w)
+            scale,
+            offset,
+            mean,
+            variance,
+            stat_out,
+            driver_op: d.op,
+            want,
+        })
     }
 
     /// One run of the op, through the typed layer, into the preallocated buffers.
@@ -1064,201 +1089,64 @@ impl<T: Element> Workload<T> {
         }
     }
 
-    /// Checks the last run against [`reference`] on up to 4 channels: each channel's
-    /// elements are gathered and run as a 1-channel `[1, 1, M, 1]` NHWC problem.
-    fn check(&self) -> Result<(), String> {
-        let p = &self.problem;
-        let eps = f64::from(p.epsilon());
-        let tol_eps = T::DTYPE.epsilon();
-        let wide = |v: T| v.widen().to_f64();
-        let st = |v: &[T::Stat], c: usize| [v[c].to_f64()];
-        for c in sample_channels(p.channels()) {
-            let pos = channel_positions(p, c);
-            let shape = [1, 1, pos.len(), 1];
-            let gather = |v: &[T]| -> Vec<f64> { pos.iter().map(|&i| wide(v[i])).collect() };
-            let xc = gather(&self.x);
-            let out = gather(&self.out);
-            let nhwc = DataFormat::Nhwc;
-            let [s0, s1, s2, s3] = &self.stat_out;
-            let checks: Vec<(&str, Vec<f64>, Vec<f64>)> = match self.op {
-                BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx => {
-                    let r = reference::forward_training(
-                        nhwc,
-                        &shape,
-                        &xc,
-                        &st(&self.scale, c),
-                        &st(&self.offset, c),
-                        &[],
-                        &[],
-                        eps,
-                        1.0,
-                    );
-                    let y = if self.op == BenchOp::ForwardTrainingEx {
-                        reference::epilogue(&r.y, Some(&gather(&self.extra)), true)
-                    } else {
-                        r.y
-                    };
-                    vec![
-                        ("y", out, y),
-                        (
-                            "reserve_space_1 (batch mean)",
-                            st(s0, c).to_vec(),
-                            r.reserve_space_1,
-                        ),
-                        (
-                            "reserve_space_2 (biased variance)",
-                            st(s1, c).to_vec(),
-                            r.reserve_space_2,
-                        ),
-                        ("batch_mean", st(s2, c).to_vec(), r.batch_mean),
-                        ("batch_variance", st(s3, c).to_vec(), r.batch_variance),
-                    ]
-                }
-                BenchOp::ForwardInference => {
-                    let r = reference::forward_inference(
-                        nhwc,
-                        &shape,
-                        &xc,
-                        &st(&self.scale, c),
-                        &st(&self.offset, c),
-                        &st(&self.mean, c),
-                        &st(&self.variance, c),
-                        eps,
-                    );
-                    vec![("y", out, r.y)]
-                }
-                BenchOp::BackwardTraining
-                | BenchOp::BackwardInference
-                | BenchOp::BackwardTrainingEx => {
-                    let mut dyc = gather(&self.dy);
-                    if self.op == BenchOp::BackwardTrainingEx {
-                        // Masked with the forward's own (rounded) output.
-                        dyc = reference::relu_mask(&dyc, &gather(&self.extra));
-                    }
-                    let r = reference::backward(
-                        nhwc,
-                        &shape,
-                        &dyc,
-                        &xc,
-                        &st(&self.scale, c),
-                        &st(&self.mean, c),
-                        &st(&self.variance, c),
-                        eps,
-                        self.op != BenchOp::BackwardInference,
-                    );
-                    let mut checks = vec![
-                        ("x_backprop", out, r.x_backprop),
-                        ("scale_backprop", st(s0, c).to_vec(), r.scale_backprop),
-                        ("offset_backprop", st(s1, c).to_vec(), r.offset_backprop),
-                    ];
-                    if self.op == BenchOp::BackwardTrainingEx {
-                        checks.push(("side_input_backprop", gather(&self.out2), dyc));
-                    }
-                    checks
-                }
-                BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => {
-                    let r = reference::second_order(
-                        nhwc,
-                        &shape,
-                        &gather(&self.dy),
-                        &xc,
-                        &st(&self.scale, c),
-                        &st(&self.mean, c),
-                        &st(&self.variance, c),
-                        &gather(&self.extra),
-                        &st(s2, c),
-                        &st(s3, c),
-                        eps,
-                        self.op == BenchOp::SecondOrderTraining,
-                    );
-                    vec![
-                        ("grad_y_backprop", out, r.grad_y_backprop),
-                        ("grad_x", gather(&self.out2), r.grad_x),
-                        ("grad_scale", st(s0, c).to_vec(), r.grad_scale),
-                    ]
-                }
-            };
-            for (what, got, want) in checks {
-                close(&got, &want, tol_eps).map_err(|e| format!("{what}, channel {c}, {e}"))?;
-            }
+    /// The last run's output `name` (of the driver's op), copied into a tensor; `None`
+    /// for an output the typed layer does not compute in this mode (forward inference's
+    /// statistics outputs, which the op only passes through) or a placeholder.
+    fn output(&self, name: &str) -> fusedbn::Result<Option<Tensor>> {
+        let full = |v: &[T]| Tensor::new(self.problem.shape().to_vec(), v.to_vec()).map(Some);
+        let stat = |v: &[T::Stat]| Ok(Some(Tensor::vector(v.to_vec())));
+        let [s0, s1, s2, s3] = &self.stat_out;
+        let training_forward = matches!(
+            self.op,
+            BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx
+        );
+        match name {
+            "y" | "x_backprop" | "grad_y_backprop" => full(&self.out),
+            "side_input_backprop" | "grad_x" => full(&self.out2),
+            "scale_backprop" | "grad_scale" => stat(s0),
+            "offset_backprop" => stat(s1),
+            "reserve_space_1" if training_forward => stat(s0),
+            "reserve_space_2" if training_forward => stat(s1),
+            "batch_mean" if training_forward => stat(s2),
+            "batch_variance" if training_forward => stat(s3),
+            _ => Ok(None),
         }
-        Ok(())
     }
-}
 
-/// `got` within `1e-4·max|want| + 2·eps·|want|` of `want`, NaN where `want` is NaN.
-fn close(got: &[f64], want: &[f64], eps: f64) -> Result<(), String> {
-    let scale = want
-        .iter()
-        .filter(|v| v.is_finite())
-        .fold(0f64, |m, v| m.max(v.abs()));
-    for (k, (&a, &b)) in got.iter().zip(want).enumerate() {
-        let tol = 1e-4 * scale + 2.0 * eps * b.abs();
-        let ok = if b.is_nan() {
-            a.is_nan()
-        } else {
-            (a - b).abs() <= tol
-        };
-        if !ok {
-            return Err(format!(
-                "element {k} of the channel: got {a}, expected {b} (tolerance {tol:.3e})"
-            ));
-        }
+    /// Checks the last run against the driver's reference on [`sample_channels`], with
+    /// the driver's tolerance policy ([`driver::check`]): every output the typed layer
+    /// computed, and the op's placeholders empty.
+    fn check(&self) -> Result<(), String> {
+        self.report().map(|_| ()).map_err(|e| e.to_string())
     }
-    Ok(())
+
+    /// [`Workload::check`]'s comparison, with the driver's report of each output.
+    fn report(&self) -> fusedbn::Result<driver::Report> {
+        let names = self.driver_op.output_names();
+        let got = names
+            .iter()
+            .map(|n| self.output(n))
+            .collect::<fusedbn::Result<Vec<_>>>()?;
+        let mut want = self.want.clone();
+        want.outputs.retain(|e| {
+            e.placement == Placement::Placeholder
+                || names
+                    .iter()
+                    .zip(&got)
+                    .any(|(n, t)| *n == e.name && t.is_some())
+        });
+        let empty = Tensor::empty(<T::Stat as Element>::DTYPE);
+        let tensors = got
+            .into_iter()
+            .map(|t| t.unwrap_or_else(|| empty.clone()))
+            .collect();
+        driver::check(&want, &Outputs::from_tensors(self.driver_op, tensors)?)
+    }
 }
 
 /// Up to 4 channels: the first, the last and two in between.
 fn sample_channels(c: usize) -> Vec<usize> {
     dedup(&[0, c / 3, 2 * c / 3, c.saturating_sub(1)])
-}
-
-/// The storage indices of channel `c`'s elements, in storage order.
-fn channel_positions(p: &Problem, c: usize) -> Vec<usize> {
-    let (shape, axis) = (p.shape(), p.format().channel_axis());
-    let channels = shape[axis];
-    let outer: usize = shape[..axis].iter().product();
-    let inner: usize = shape[axis + 1..].iter().product();
-    (0..outer)
-        .flat_map(|o| (0..inner).map(move |j| (o * channels + c) * inner + j))
-        .collect()
-}
-
-/// Maps a storage index of x to its channel.
-fn channel_index(p: &Problem) -> impl Fn(usize) -> usize + Sync {
-    let axis = p.format().channel_axis();
-    let channels = p.shape()[axis].max(1);
-    let inner: usize = p.shape()[axis + 1..].iter().product::<usize>().max(1);
-    move |i| (i / inner) % channels
-}
-
-fn channel_mean(c: usize) -> f64 {
-    0.5 * ((c % 7) as f64 - 3.0)
-}
-
-fn channel_std(c: usize) -> f64 {
-    0.5 + 0.25 * (c % 5) as f64
-}
-
-/// Deterministic noise with mean 0 and variance 1 (uniform on ±√3), from a hash of
-/// `(stream, i)`.
-fn noise(stream: u64, i: usize) -> f64 {
-    let mut z = (i as u64) ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    // splitmix64's finalizer.
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
-    let u = (z >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
-    (2.0 * u - 1.0) * 3f64.sqrt()
-}
-
-/// `n` elements `f(i)`, rounded to `T`, generated in parallel.
-fn generate<T: Element>(n: usize, f: impl Fn(usize) -> f64 + Sync) -> Vec<T> {
-    (0..n)
-        .into_par_iter()
-        .map(|i| T::narrow(T::Stat::from_f64(f(i))))
-        .collect()
 }
 
 /// The bytes of a slice of elements.
@@ -1456,15 +1344,9 @@ impl Progress {
 mod tests {
     use super::*;
 
-    fn case(op: BenchOp, format: DataFormat, shape: Vec<usize>, dtype: DType) -> Case {
-        Case {
-            op,
-            format,
-            shape,
-            dtype,
-            isa: Isa::Scalar,
-            pool: 0,
-        }
+    /// A case on x of logical shape `[N, spatial…, C]`.
+    fn case(op: BenchOp, format: DataFormat, logical: Vec<usize>, dtype: DType) -> Case {
+        Case::new(op, format, &logical, dtype, Isa::Scalar, 0).unwrap()
     }
 
     #[test]
@@ -1479,29 +1361,6 @@ mod tests {
         assert!(layout(&s5, DataFormat::Nchw).is_err());
         for bad in ["", "2,3,4", "2,3,4,5,6,7", "2,0,4,5", "a,b,c,d", "-1,2,3,4"] {
             assert!(parse_shape(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn channel_positions_cover_every_element_once() {
-        for format in DataFormat::ALL {
-            let shape = if format.rank() == 4 {
-                vec![2, 3, 4, 5]
-            } else {
-                vec![2, 3, 4, 5, 2]
-            };
-            let p = Problem::new(format, &shape).unwrap();
-            let channel_of = channel_index(&p);
-            let mut seen = vec![false; p.len()];
-            for c in 0..p.channels() {
-                let pos = channel_positions(&p, c);
-                assert_eq!(pos.len(), p.elements_per_channel());
-                for i in pos {
-                    assert_eq!(channel_of(i), c, "{format}");
-                    assert!(!std::mem::replace(&mut seen[i], true));
-                }
-            }
-            assert!(seen.iter().all(|&s| s));
         }
     }
 
@@ -1679,17 +1538,20 @@ mod tests {
         let c = case(
             BenchOp::BackwardTrainingEx,
             DataFormat::Nchw,
-            vec![2, 3, 8, 8],
+            vec![2, 8, 8, 3],
             DType::F32,
         );
         let mut w = Workload::<f32>::new(&c).unwrap();
         w.run_op().unwrap();
-        // The Relu output masks a good share of dy, and side_input_backprop is dy masked.
-        let zeros = w.extra.iter().filter(|&&v| v == 0.0).count();
+        // The driver's forward output y (the mask: about 40 % not positive) masks a good
+        // share of dy, and side_input_backprop is dy masked.
+        let masked = w.extra.iter().filter(|&&v| v <= 0.0).count();
         assert!(
-            zeros > w.x.len() / 5 && zeros < w.x.len() * 4 / 5,
-            "{zeros}"
+            masked > w.x.len() / 5 && masked < w.x.len() * 4 / 5,
+            "{masked}"
         );
+        let zeros = w.out2.iter().filter(|&&v| v == 0.0).count();
+        assert!(zeros >= masked, "{zeros} < {masked}");
         for ((&g, &dy), &y) in w.out2.iter().zip(&w.dy).zip(&w.extra) {
             assert_eq!(g, if y > 0.0 { dy } else { 0.0 });
         }
@@ -1699,7 +1561,7 @@ mod tests {
     #[test]
     fn half_precision_copies_its_own_bytes() {
         for op in BenchOp::ALL {
-            let c = case(op, DataFormat::Nchw, vec![2, 3, 40, 40], DType::BF16);
+            let c = case(op, DataFormat::Nchw, vec![2, 40, 40, 3], DType::BF16);
             let m = measure::<fusedbn::bf16>(
                 &c,
                 Plan {
@@ -1708,7 +1570,7 @@ mod tests {
                 },
             )
             .unwrap();
-            assert_eq!(m.bytes, op.tensors_moved() * 2 * 3 * 40 * 40 * 2);
+            assert_eq!(m.bytes, (op.inputs() + op.outputs()) * 2 * 3 * 40 * 40 * 2);
             assert_eq!(m.bytes, c.bytes());
             assert_eq!((m.op.len(), m.copy.len()), (3, 3));
             assert_eq!(m.check, Ok(()), "{op:?}");
@@ -1719,11 +1581,57 @@ mod tests {
     }
 
     #[test]
+    fn the_check_covers_every_computed_output_and_can_fail() {
+        for op in BenchOp::ALL {
+            let c = case(op, DataFormat::Nhwc, vec![2, 5, 7, 6], DType::F32);
+            let mut w = Workload::<f32>::new(&c).unwrap();
+            w.run_op().unwrap();
+            let names: Vec<&str> = w.report().unwrap().outputs.iter().map(|a| a.name).collect();
+            let want: &[&str] = match op {
+                BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx => &[
+                    "y",
+                    "batch_mean",
+                    "batch_variance",
+                    "reserve_space_1",
+                    "reserve_space_2",
+                ],
+                BenchOp::ForwardInference => &["y"],
+                BenchOp::BackwardTraining | BenchOp::BackwardInference => {
+                    &["x_backprop", "scale_backprop", "offset_backprop"]
+                }
+                BenchOp::BackwardTrainingEx => &[
+                    "x_backprop",
+                    "scale_backprop",
+                    "offset_backprop",
+                    "side_input_backprop",
+                ],
+                BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => {
+                    &["grad_y_backprop", "grad_x", "grad_scale"]
+                }
+            };
+            assert_eq!(names, want, "{op:?}");
+            // One wrong element (in channel 0, always sampled) fails the check, and so
+            // does one wrong statistic.
+            let good = w.out[0];
+            w.out[0] = good.widen() * 1.01 + 0.01;
+            let e = w.check().unwrap_err();
+            assert!(e.contains(want[0]), "{op:?}: {e}");
+            w.out[0] = good;
+            assert_eq!(w.check(), Ok(()), "{op:?}");
+            let last = w.stat_out[0].len() - 1;
+            w.stat_out[0][last] += 0.01 * w.stat_out[0][last].abs() + 0.01;
+            if op != BenchOp::ForwardInference {
+                assert!(w.check().is_err(), "{op:?}");
+            }
+        }
+    }
+
+    #[test]
     fn progress_lines_fit() {
         let c = case(
             BenchOp::BackwardInference,
             DataFormat::Ncdhw,
-            vec![16, 2048, 1, 7, 7],
+            vec![16, 1, 7, 7, 2048],
             DType::BF16,
         );
         let mut p = Progress::new(vec![1.0, 3.0]);
