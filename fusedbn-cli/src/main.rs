@@ -1,31 +1,12 @@
 //! `fusedbn`: run a fused batch-norm op on `.npy` files, or benchmark the library.
 //!
-//! This file is only the command line and the dispatch; the work is in [`run`] and
-//! [`bench`].
-
-mod bench;
-mod error;
-mod run;
+//! This file is only the dispatch and the printing of errors; the command line and the
+//! work are in the `fusedbn_cli` library ([`Cli`], [`run`], [`bench`]).
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-/// TensorFlow-exact fused batch normalization on the CPU.
-#[derive(Debug, Parser)]
-#[command(name = "fusedbn", version, about, propagate_version = true)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Run one TensorFlow fused batch-norm op on .npy inputs, writing one .npy per output.
-    Run(run::RunArgs),
-    /// Time the batch-norm passes against a plain memory copy of the same bytes.
-    Bench(bench::BenchArgs),
-}
+use clap::Parser;
+use fusedbn_cli::{bench, run, Cli, Command};
 
 /// Exit status for invalid input (as clap uses for usage errors).
 const EXIT_INVALID: u8 = 2;

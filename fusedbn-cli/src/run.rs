@@ -48,9 +48,7 @@ pub struct RunArgs {
 
 /// Runs `fusedbn run`.
 pub fn run(args: &RunArgs) -> Result<()> {
-    let op: Op = args.op.parse()?;
-    let attrs = parse_attrs(op, &args.attrs)?;
-    let inputs = parse_inputs(op, &args.inputs)?;
+    let (op, attrs, inputs) = crate::validate_run(args)?;
     if let Some(out) = args.out.as_deref().filter(|o| o.exists() && !o.is_dir()) {
         return Err(CliError::new(format!(
             "--out {}: exists and is not a directory",
@@ -93,7 +91,7 @@ fn split_pair<'a>(what: &str, meta: &str, s: &'a str) -> Result<(&'a str, &'a st
 }
 
 /// Parses `--attr KEY=VALUE` flags onto TensorFlow's defaults.
-fn parse_attrs(op: Op, flags: &[String]) -> Result<Attrs> {
+pub(crate) fn parse_attrs(op: Op, flags: &[String]) -> Result<Attrs> {
     let mut attrs = Attrs::new();
     let mut seen = HashSet::new();
     for flag in flags {
@@ -116,7 +114,7 @@ fn parse_attrs(op: Op, flags: &[String]) -> Result<Attrs> {
 
 /// Parses `--input NAME=FILE` flags; names are checked against the op's inputs here so
 /// that a misspelt name is reported before any file is read.
-fn parse_inputs(op: Op, flags: &[String]) -> Result<Vec<(String, PathBuf)>> {
+pub(crate) fn parse_inputs(op: Op, flags: &[String]) -> Result<Vec<(String, PathBuf)>> {
     let mut out: Vec<(String, PathBuf)> = Vec::new();
     for flag in flags {
         let (name, path) = split_pair("--input", "NAME=FILE.npy", flag)?;
