@@ -21,7 +21,7 @@
 use std::error::Error;
 use std::f64::consts::PI;
 
-use fusedbn::layer::BatchNorm;
+use fusedbn::layer::{BatchNorm, Forwarded};
 use fusedbn::DataFormat;
 
 const IN: usize = 2;
@@ -169,7 +169,7 @@ impl Mlp {
             .map(|j| dz.iter().skip(j).step_by(CLASSES).sum())
             .collect();
         let da = matmul_nt(&dz, &self.w2, n, CLASSES, HIDDEN);
-        let g = self.bn.backward(&da)?;
+        let g = self.bn.backward(Forwarded { x: &h, y: &a }, &da)?;
         let dw1 = matmul_tn(x, &g.x, n, IN, HIDDEN);
         self.bn.apply_sgd(&g, lr)?;
         for (w, d) in [

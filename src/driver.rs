@@ -43,13 +43,16 @@ use std::fmt;
 
 use rayon::prelude::*;
 
-use crate::batch_norm::Activation;
+use crate::batch_norm::Problem;
+use crate::batch_norm::{
+    Activation, Affine, Backward, GradInputs, Mode, SecondOrderInputs, Statistics,
+};
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
+use crate::format::DataFormat;
 use crate::kernels::simd::Isa;
 use crate::kernels::Geometry;
 use crate::ops::{Attrs, Inputs, Op, Outputs};
-use crate::problem::{DataFormat, Problem};
 use crate::reference as refr;
 use crate::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
@@ -506,8 +509,7 @@ pub fn reference(
         let mut outs = Vec::new();
         let xs = gather(x, &g, ch);
         let m = xs.len();
-        let shape = [m, 1, 1, 1];
-        let fmt = DataFormat::Nhwc;
+        let cp = Problem::new(DataFormat::Nhwc, &[m, 1, 1, 1])?.with_epsilon(attrs.epsilon);
         let at = |v: &[f64]| vec![v[ch]];
         let mut put = |name: &str, v: &[f64], scale: f64, floor: f64| {
             if let Some(i) = idx(name) {
@@ -532,34 +534,33 @@ pub fn reference(
             } else {
                 (vector("mean")?, vector("variance")?)
             };
+            let (sc, of) = (at(&scale), at(&offset));
+            let affine = Affine {
+                scale: &sc,
+                offset: &of,
+            };
             let f = if attrs.is_training {
                 let (mi, vi) = (
                     mean.as_deref().map_or(vec![0.0], at),
                     var.as_deref().map_or(vec![0.0], at),
                 );
-                refr::forward_training(
-                    fmt,
-                    &shape,
-                    &xs,
-                    &at(&scale),
-                    &at(&offset),
-                    &mi,
-                    &vi,
-                    eps,
-                    f64::from(attrs.exponential_avg_factor),
-                )
+                let running = Statistics {
+                    mean: &mi,
+                    variance: &vi,
+                };
+                let mode = refr::ForwardMode::Training {
+                    running: Some(running),
+                    factor: f64::from(attrs.exponential_avg_factor),
+                };
+                refr::forward(&cp, &xs, affine, mode)
             } else {
                 let (mi, vi) = (need(mean, "mean")?, need(var, "variance")?);
-                refr::forward_inference(
-                    fmt,
-                    &shape,
-                    &xs,
-                    &at(&scale),
-                    &at(&offset),
-                    &at(&mi),
-                    &at(&vi),
-                    eps,
-                )
+                let (mi, vi) = (at(&mi), at(&vi));
+                let stats = Statistics {
+                    mean: &mi,
+                    variance: &vi,
+                };
+                refr::forward(&cp, &xs, affine, refr::ForwardMode::Inference(stats))
             };
             let act = if op.is_ex() { relu } else { false };
             let y = refr::epilogue(&f.y, side.as_deref(), act);
@@ -605,20 +606,25 @@ pub fn reference(
             let rs2 = need(vector("reserve_space_2")?, "reserve_space_2")?;
             let gs = need(vector("grad_scale_backprop")?, "grad_scale_backprop")?;
             let go = need(vector("grad_offset_backprop")?, "grad_offset_backprop")?;
-            let r = refr::second_order(
-                fmt,
-                &shape,
-                &g_in,
-                &xs,
-                &at(&scale),
-                &at(&rs1),
-                &at(&rs2),
-                &ga,
-                &at(&gs),
-                &at(&go),
-                eps,
-                attrs.is_training,
-            );
+            let (sc1, m1, v1, gs1, go1) = (at(&scale), at(&rs1), at(&rs2), at(&gs), at(&go));
+            let inputs = SecondOrderInputs {
+                y_backprop: &g_in,
+                x: &xs,
+                scale: &sc1,
+                reserve: Statistics {
+                    mean: &m1,
+                    variance: &v1,
+                },
+                grad_x_backprop: &ga,
+                grad_scale_backprop: &gs1,
+                grad_offset_backprop: &go1,
+            };
+            let mode = if attrs.is_training {
+                Mode::Training
+            } else {
+                Mode::Inference
+            };
+            let r = refr::second_order(&cp, inputs, mode);
             let sc = second_order_scales(
                 &g_in,
                 &xs,
@@ -663,17 +669,21 @@ pub fn reference(
                 let y = gather(full("y")?.ok_or_else(|| missing(op, "y"))?, &g, ch);
                 dy = refr::relu_mask(&dy, &y);
             }
-            let r = refr::backward(
-                fmt,
-                &shape,
-                &dy,
-                &xs,
-                &at(&scale),
-                &at(&rs1),
-                &at(&rs2),
-                eps,
-                attrs.is_training,
-            );
+            let (sc1, m1, v1) = (at(&scale), at(&rs1), at(&rs2));
+            let stats = Statistics {
+                mean: &m1,
+                variance: &v1,
+            };
+            let mode = if attrs.is_training {
+                Backward::Training(stats)
+            } else {
+                Backward::Inference(stats)
+            };
+            let inputs = GradInputs {
+                y_backprop: &dy,
+                x: &xs,
+            };
+            let r = refr::backward(&cp, inputs, &sc1, mode);
             let rr = 1.0 / (rs2[ch] + eps).sqrt();
             let k1 = (scale[ch] * rr).abs();
             let xc_max = xs.iter().map(|v| (v - rs1[ch]).abs()).fold(0f64, f64::max);

@@ -14,7 +14,7 @@
 //! A training step, then inference with the moving statistics:
 //!
 //! ```
-//! use fusedbn::{DataFormat, layer::BatchNorm};
+//! use fusedbn::{DataFormat, layer::{BatchNorm, Forwarded}};
 //! // 2 images of 2×2 pixels with 3 channels; channel c holds values around 10·c.
 //! let shape = [2, 2, 2, 3];
 //! let x: Vec<f32> = (0..24).map(|i| (i % 3) as f32 * 10.0 + (i / 3) as f32).collect();
@@ -29,7 +29,7 @@
 //!
 //! // The gradient of a loss with respect to x, gamma and beta.
 //! let dy = vec![1.0f32; 24];
-//! let grads = bn.backward(&dy)?;
+//! let grads = bn.backward(Forwarded { x: &x, y: &y }, &dy)?;
 //! assert_eq!(grads.beta.as_deref(), Some(&[8.0f32; 3][..])); // Σdy per channel
 //! assert!(grads.x.iter().all(|g| g.abs() < 1e-4)); // a constant dy does nothing
 //! bn.apply_sgd(&grads, 0.1)?;
@@ -54,11 +54,15 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
-use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats};
+use crate::batch_norm::Problem;
+use crate::batch_norm::{
+    Activation, Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients,
+    RunningStats, SavedStats, Statistics, TrainingStats,
+};
 use crate::element::Element;
 use crate::error::{Error, Result};
-use crate::problem::{DataFormat, Problem};
-use crate::tensor::TensorData;
+use crate::format::DataFormat;
+use crate::tensor::DType;
 
 /// Keras' default momentum of the moving statistics.
 pub const DEFAULT_MOMENTUM: f64 = 0.99;
@@ -94,10 +98,11 @@ pub const WEIGHT_NAMES: [&str; 4] = ["gamma", "beta", "moving_mean", "moving_var
 /// The data can be `f32`, `f16` or `bf16` (any [`Element`] with `f32` statistics);
 /// the parameters, statistics and their gradients are always `f32`.
 ///
-/// [`forward`](BatchNorm::forward) keeps a copy of its input (and, with the ReLU, of
-/// its output) for [`backward`](BatchNorm::backward); [`predict`](BatchNorm::predict)
-/// runs inference without keeping anything, and [`clear_cache`](BatchNorm::clear_cache)
-/// frees the copy.
+/// [`forward`](BatchNorm::forward) keeps only per-channel values for
+/// [`backward`](BatchNorm::backward) (the statistics and `gamma` it used), never a copy
+/// of its input: the caller passes the forward's `x` and `y` back to `backward`
+/// ([`Forwarded`]). [`predict`](BatchNorm::predict) runs inference without keeping
+/// anything, and [`clear_cache`](BatchNorm::clear_cache) forgets the last forward.
 #[derive(Clone)]
 pub struct BatchNorm {
     format: DataFormat,
@@ -121,14 +126,24 @@ struct Cache {
     training: bool,
     center: bool,
     scale: bool,
-    x: TensorData,
-    /// The output, when the ReLU was on (its mask for the gradient).
-    y: Option<TensorData>,
+    /// The element type of the forward's `x`.
+    dtype: DType,
     /// The scale the forward call used (`gamma`, or ones).
     gamma: Vec<f32>,
     /// Training: the batch mean and biased variance. Inference: the moving statistics.
     mean: Vec<f32>,
     variance: Vec<f32>,
+}
+
+/// The tensors of the forward call that [`BatchNorm::backward`] differentiates: the
+/// layer keeps only per-channel values (the statistics and `gamma` the call used), not
+/// a copy of `x`; the caller, who has them anyway, passes them back.
+#[derive(Clone, Copy, Debug)]
+pub struct Forwarded<'a, T> {
+    /// The forward call's input.
+    pub x: &'a [T],
+    /// The forward call's output (read only with the fused ReLU: its mask).
+    pub y: &'a [T],
 }
 
 /// The gradients [`BatchNorm::backward`] returns.
@@ -240,12 +255,13 @@ impl BatchNorm {
     /// `y > 0`.
     ///
     /// ```
-    /// use fusedbn::{DataFormat, layer::BatchNorm};
+    /// use fusedbn::{DataFormat, layer::{BatchNorm, Forwarded}};
     /// let mut bn = BatchNorm::new(DataFormat::Nhwc, 1).with_relu(true);
-    /// let y = bn.forward(&[1.0f32, 2.0, 3.0, 4.0], &[4, 1], true)?;
+    /// let x = [1.0f32, 2.0, 3.0, 4.0];
+    /// let y = bn.forward(&x, &[4, 1], true)?;
     /// assert_eq!(&y[..2], &[0.0, 0.0]);
     /// assert!(y[2] > 0.0 && y[3] > y[2]);
-    /// let g = bn.backward(&[1.0f32; 4])?;
+    /// let g = bn.backward(Forwarded { x: &x, y: &y }, &[1.0f32; 4])?;
     /// assert_eq!(g.beta, Some(vec![2.0])); // only the two positive outputs pass dy
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
@@ -380,8 +396,8 @@ impl BatchNorm {
     ///   under a distribution strategy).
     /// - `training == false`: normalizes with the moving statistics.
     ///
-    /// Keeps a copy of `x` (and of `y` with the ReLU) for [`backward`](BatchNorm::backward).
-    /// A failed call changes nothing except that it drops that copy.
+    /// Keeps the per-channel values [`backward`](BatchNorm::backward) needs (not `x`).
+    /// A failed call changes nothing except that it forgets the previous forward.
     ///
     /// ```
     /// use fusedbn::{DataFormat, layer::BatchNorm};
@@ -430,7 +446,10 @@ impl BatchNorm {
         let c = self.channels;
         let gamma = self.effective_gamma().into_owned();
         let beta = self.effective_beta().into_owned();
-        let act = self.activation();
+        let epilogue = Epilogue {
+            side_input: None,
+            activation: self.activation(),
+        };
         let (mean, variance) = if training {
             let (mut mean, mut variance) = (vec![0.0f32; c], vec![0.0f32; c]);
             let saved = SavedStats {
@@ -444,11 +463,21 @@ impl BatchNorm {
                 variance: &mut self.moving_variance,
                 factor: (1.0 - self.momentum) as f32,
             });
-            problem.forward_training_ex(x, &gamma, &beta, None, act, y, saved, running)?;
+            let affine = Affine {
+                scale: &gamma,
+                offset: &beta,
+            };
+            let mode = Forward::Training(TrainingStats { saved, running });
+            problem.forward(x, affine, mode, epilogue, y)?;
             (mean, variance)
         } else {
             let (mean, variance) = (&self.moving_mean, &self.moving_variance);
-            problem.forward_inference_ex(x, &gamma, &beta, mean, variance, None, act, y)?;
+            let affine = Affine {
+                scale: &gamma,
+                offset: &beta,
+            };
+            let mode = Forward::Inference(Statistics { mean, variance });
+            problem.forward(x, affine, mode, epilogue, y)?;
             (mean.clone(), variance.clone())
         };
         self.cache = Some(Cache {
@@ -456,8 +485,7 @@ impl BatchNorm {
             training,
             center: self.center,
             scale: self.scale,
-            x: T::wrap(x.to_vec()),
-            y: self.relu.then(|| T::wrap(y.to_vec())),
+            dtype: T::DTYPE,
             gamma,
             mean,
             variance,
@@ -480,21 +508,29 @@ impl BatchNorm {
     pub fn predict<T: Element<Stat = f32>>(&self, x: &[T], shape: &[usize]) -> Result<Vec<T>> {
         let problem = self.problem(shape)?;
         let mut y = vec![T::default(); x.len()];
-        problem.forward_inference_ex(
+        problem.forward(
             x,
-            &self.effective_gamma(),
-            &self.effective_beta(),
-            &self.moving_mean,
-            &self.moving_variance,
-            None,
-            self.activation(),
+            Affine {
+                scale: &self.effective_gamma(),
+                offset: &self.effective_beta(),
+            },
+            Forward::Inference(Statistics {
+                mean: &self.moving_mean,
+                variance: &self.moving_variance,
+            }),
+            Epilogue {
+                side_input: None,
+                activation: self.activation(),
+            },
             &mut y,
         )?;
         Ok(y)
     }
 
     /// The gradient of the last [`forward`](BatchNorm::forward) call, for the
-    /// upstream gradient `dy` (the shape and type of that call's `x`).
+    /// upstream gradient `dy` (the shape and type of that call's `x`); `forward` holds
+    /// that call's `x` and `y` (the layer does not keep a copy; `y` is read only with
+    /// the ReLU, as its mask).
     ///
     /// After a training forward this is the training gradient (through the batch
     /// statistics); after an inference forward it is `dx = dy·gamma/√(moving_variance + ε)`.
@@ -503,21 +539,28 @@ impl BatchNorm {
     /// off. The values the forward call used (its `x`, `gamma` and statistics) are the
     /// ones differentiated, even if the layer's parameters changed since.
     ///
-    /// Fails when no forward call came before, or `dy` does not match its `x`.
+    /// Fails when no forward call came before, or `dy`, `x` or `y` does not match the
+    /// forward call's shape and type.
     /// The cached forward is kept: `backward` can be called again with another `dy`.
     ///
     /// ```
-    /// use fusedbn::{DataFormat, layer::BatchNorm};
+    /// use fusedbn::{DataFormat, layer::{BatchNorm, Forwarded}};
     /// let mut bn = BatchNorm::new(DataFormat::Nhwc, 1).with_scale(false);
-    /// assert!(bn.backward(&[1.0f32]).is_err()); // no forward yet
-    /// bn.forward(&[1.0f32, 5.0], &[2, 1], false)?;
-    /// let g = bn.backward(&[1.0f32, 2.0])?;
+    /// let x = [1.0f32, 5.0];
+    /// assert!(bn.backward(Forwarded { x: &x, y: &x }, &[1.0f32]).is_err()); // no forward yet
+    /// let y = bn.forward(&x, &[2, 1], false)?;
+    /// let forward = Forwarded { x: &x, y: &y };
+    /// let g = bn.backward(forward, &[1.0f32, 2.0])?;
     /// assert!((g.x[1] - 2.0 / (1.0f32 + 1e-3).sqrt()).abs() < 1e-6);
     /// assert_eq!((g.gamma, g.beta), (None, Some(vec![3.0])));
-    /// assert!(bn.backward(&[1.0f32; 3]).is_err()); // the wrong length
+    /// assert!(bn.backward(forward, &[1.0f32; 3]).is_err()); // the wrong length
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
-    pub fn backward<T: Element<Stat = f32>>(&self, dy: &[T]) -> Result<LayerGradients<T>> {
+    pub fn backward<T: Element<Stat = f32>>(
+        &self,
+        forward: Forwarded<'_, T>,
+        dy: &[T],
+    ) -> Result<LayerGradients<T>> {
         let cache = self.cache.as_ref().ok_or_else(|| {
             Error::arg(
                 "dy",
@@ -528,19 +571,18 @@ impl BatchNorm {
         let wrong_type = || {
             Error::arg(
                 "dy",
-                format!(
-                    "{} elements (the type of the forward input)",
-                    cache.x.dtype()
-                ),
+                format!("{} elements (the type of the forward input)", cache.dtype),
                 format!("{} elements", T::DTYPE),
             )
         };
-        let x = T::slice(&cache.x).ok_or_else(wrong_type)?;
-        let relu_output = match &cache.y {
-            Some(y) => Some(T::slice(y).ok_or_else(wrong_type)?),
-            None => None,
-        };
+        if T::DTYPE != cache.dtype {
+            return Err(wrong_type());
+        }
         let p = &cache.problem;
+        p.check_x("x (of the forward call)", forward.x.len())?;
+        p.check_x("y (of the forward call)", forward.y.len())?;
+        let x = forward.x;
+        let relu_output = self.relu.then_some(forward.y);
         let c = p.channels();
         let (mut dx, mut dgamma, mut dbeta) =
             (vec![T::default(); x.len()], vec![0.0; c], vec![0.0; c]);
@@ -549,12 +591,26 @@ impl BatchNorm {
             scale: &mut dgamma,
             offset: &mut dbeta,
         };
-        let (gamma, mean, var) = (&cache.gamma, &cache.mean, &cache.variance);
-        if cache.training {
-            p.backward_training_ex(dy, x, gamma, mean, var, relu_output, grads, None)?;
+        let stats = Statistics {
+            mean: &cache.mean,
+            variance: &cache.variance,
+        };
+        let mode = if cache.training {
+            Backward::Training(stats)
         } else {
-            p.backward_inference_ex(dy, x, gamma, mean, var, relu_output, grads, None)?;
-        }
+            Backward::Inference(stats)
+        };
+        let epilogue = GradEpilogue {
+            relu_output,
+            side_input_backprop: None,
+        };
+        p.backward(
+            GradInputs { y_backprop: dy, x },
+            &cache.gamma,
+            mode,
+            epilogue,
+            grads,
+        )?;
         Ok(LayerGradients {
             x: dx,
             gamma: cache.scale.then_some(dgamma),
@@ -562,8 +618,8 @@ impl BatchNorm {
         })
     }
 
-    /// Drops what the last forward call kept for [`backward`](BatchNorm::backward)
-    /// (a copy of its input).
+    /// Forgets the last forward call (its statistics and `gamma`, kept for
+    /// [`backward`](BatchNorm::backward)).
     pub fn clear_cache(&mut self) {
         self.cache = None;
     }

@@ -6,15 +6,22 @@
 //! A training step — forward with batch statistics, then the gradient:
 //!
 //! ```
-//! use fusedbn::{DataFormat, Problem, batch_norm::{Gradients, SavedStats}};
+//! use fusedbn::{DataFormat, Problem};
+//! use fusedbn::batch_norm::{Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs,
+//!     Gradients, SavedStats, Statistics, TrainingStats};
 //! let p = Problem::new(DataFormat::Nhwc, &[2, 4, 4, 3])?.with_epsilon(1e-3);
 //! let x: Vec<f32> = (0..p.len()).map(|i| (i % 7) as f32).collect();
 //! let (scale, offset) = (vec![1.0f32; 3], vec![0.0f32; 3]);
 //! let (mut y, mut mean, mut var) = (vec![0.0; p.len()], vec![0.0; 3], vec![0.0; 3]);
-//! p.forward_training(&x, &scale, &offset, &mut y, SavedStats { mean: &mut mean, variance: &mut var }, None)?;
+//! let affine = Affine { scale: &scale, offset: &offset };
+//! let saved = SavedStats { mean: &mut mean, variance: &mut var };
+//! p.forward(&x, affine, Forward::Training(TrainingStats { saved, running: None }),
+//!     Epilogue::plain(), &mut y)?;
 //! let dy = vec![0.5f32; p.len()]; // the upstream gradient
 //! let (mut dx, mut dscale, mut doffset) = (vec![0.0; p.len()], vec![0.0; 3], vec![0.0; 3]);
-//! p.backward_training(&dy, &x, &scale, &mean, &var, Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset })?;
+//! p.backward(GradInputs { y_backprop: &dy, x: &x }, &scale,
+//!     Backward::Training(Statistics { mean: &mean, variance: &var }), GradEpilogue::default(),
+//!     Gradients { x: &mut dx, scale: &mut dscale, offset: &mut doffset })?;
 //! assert_eq!(doffset, [16.0; 3]); // Σdy over the 32 elements of each channel
 //! # Ok::<(), fusedbn::Error>(())
 //! ```
@@ -24,12 +31,16 @@
 //! - [`ops`] — the TensorFlow-op layer: [`ops::Op`] by TF's name, named inputs and
 //!   outputs, [`ops::Attrs`] with TF's defaults, over the dynamically typed [`Tensor`].
 //!   Validates in SPEC §4's order and dispatches on the element type.
-//! - [`batch_norm`] — the typed, zero-copy layer: methods of [`Problem`] over slices,
-//!   generic in the [`Element`] type, writing into caller-owned buffers.
-//! - [`kernels`] — the geometry, the instruction sets and (crate-private) the passes:
-//!   statistics, apply, backward reduce, backward apply over a per-channel
-//!   [`kernels::Geometry`]; multithreaded with rayon, results independent of the
-//!   thread count. Only the validated layers above call the passes.
+//! - [`batch_norm`] — the typed, zero-copy API: methods of [`Problem`] over slices,
+//!   generic in the [`Element`] type, writing into caller-owned buffers; inputs named
+//!   by field, modes as types; the whole ops and their [phases](batch_norm::phases)
+//!   (local moments → combine → apply; local gradient sums → combine → apply) for
+//!   data-parallel training and framework adapters.
+//! - `kernels` (crate-private) — the passes (statistics, apply, backward reduce,
+//!   backward apply, the fused ops, second order) over a per-channel geometry, and the
+//!   SIMD code behind [`Isa`]; multithreaded with rayon, results independent of the
+//!   thread count. Only the validated layers above call them, so no public entry can
+//!   hand them a bad geometry or a short slice.
 //! - [`reference`](mod@reference) — the `f64` oracle the tests compare everything against.
 //! - [`driver`] — one problem description for tests, benchmarks and `fusedbn run --check`:
 //!   inputs, reference outputs of any op, one tolerance policy.
@@ -44,21 +55,31 @@ pub mod batch_norm;
 pub mod driver;
 pub mod element;
 pub mod error;
-pub mod kernels;
+pub mod format;
+mod kernels;
 pub mod layer;
 pub mod npy;
 pub mod ops;
-pub mod problem;
 pub mod reference;
 pub mod tensor;
 
+pub use batch_norm::Problem;
 pub use element::{Element, Real};
 pub use error::{Error, Result};
+pub use format::{DataFormat, DEFAULT_EPSILON};
 /// The half-precision element types (re-exported from the `half` crate).
 pub use half::{bf16, f16};
-/// The instruction set the kernels run with (also at `fusedbn::kernels::simd::Isa`).
+/// The instruction set the kernels run with.
 pub use kernels::simd::Isa;
-pub use problem::{DataFormat, Problem, DEFAULT_EPSILON};
+
+/// How the kernels split work across threads, for benchmarks that want a baseline
+/// (a copy of the same bytes) split the same way.
+pub mod tuning {
+    /// Elements per parallel task (each task is one rayon job).
+    pub const TASK: usize = crate::kernels::TASK;
+    /// Below this many elements every pass runs on the calling thread.
+    pub const PARALLEL_MIN: usize = crate::kernels::PARALLEL_MIN;
+}
 pub use tensor::{DType, Tensor, TensorData};
 
 /// The README's example, compiled and run as a doc test.

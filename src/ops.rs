@@ -19,11 +19,15 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
-use crate::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
+use crate::batch_norm::Problem;
+use crate::batch_norm::{
+    Activation, Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients, Mode,
+    RunningStats, SavedStats, SecondOrderGradients, SecondOrderInputs, Statistics, TrainingStats,
+};
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
+use crate::format::{check_x_shape, DataFormat, DEFAULT_EPSILON};
 use crate::kernels::simd::Isa;
-use crate::problem::{check_x_shape, DataFormat, Problem, DEFAULT_EPSILON};
 use crate::tensor::{DType, Tensor};
 
 /// One of TensorFlow's fused batch-norm ops.
@@ -755,6 +759,10 @@ fn forward<T: Element>(
         typed::<T::Stat>(scale)?,
         typed::<T::Stat>(offset)?,
     );
+    let epilogue = Epilogue {
+        side_input: side,
+        activation: ex.act,
+    };
     let mut y = vec![T::default(); xs.len()];
     let (mut batch_mean, mut batch_var) = (vec![zero; c], vec![zero; c]);
     let (mut rs1, mut rs2) = (vec![zero; c], vec![zero; c]);
@@ -763,27 +771,36 @@ fn forward<T: Element>(
             batch_mean.copy_from_slice(typed::<T::Stat>(m)?);
             batch_var.copy_from_slice(typed::<T::Stat>(v)?);
         }
-        p.forward_training_ex(
+        p.forward(
             xs,
-            scale,
-            offset,
-            side,
-            ex.act,
-            &mut y,
-            SavedStats {
-                mean: &mut rs1,
-                variance: &mut rs2,
-            },
-            Some(RunningStats {
-                mean: &mut batch_mean,
-                variance: &mut batch_var,
-                factor: attrs.exponential_avg_factor,
+            Affine { scale, offset },
+            Forward::Training(TrainingStats {
+                saved: SavedStats {
+                    mean: &mut rs1,
+                    variance: &mut rs2,
+                },
+                running: Some(RunningStats {
+                    mean: &mut batch_mean,
+                    variance: &mut batch_var,
+                    factor: attrs.exponential_avg_factor,
+                }),
             }),
+            epilogue,
+            &mut y,
         )?;
     } else {
         let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
         let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
-        p.forward_inference_ex(xs, scale, offset, m, v, side, ex.act, &mut y)?;
+        p.forward(
+            xs,
+            Affine { scale, offset },
+            Forward::Inference(Statistics {
+                mean: m,
+                variance: v,
+            }),
+            epilogue,
+            &mut y,
+        )?;
         if p.is_empty() {
             let nan = T::Stat::from_f64(f64::NAN);
             batch_mean.fill(nan);
@@ -851,11 +868,29 @@ fn gradient<T: Element>(
         scale: &mut dscale,
         offset: &mut doffset,
     };
-    if attrs.is_training {
-        p.backward_training_ex(dys, xs, scale, rs1, rs2, mask, grads, side_out)?;
+    let stats = Statistics {
+        mean: rs1,
+        variance: rs2,
+    };
+    let mode = if attrs.is_training {
+        Backward::Training(stats)
     } else {
-        p.backward_inference_ex(dys, xs, scale, rs1, rs2, mask, grads, side_out)?;
-    }
+        Backward::Inference(stats)
+    };
+    let epilogue = GradEpilogue {
+        relu_output: mask,
+        side_input_backprop: side_out,
+    };
+    p.backward(
+        GradInputs {
+            y_backprop: dys,
+            x: xs,
+        },
+        scale,
+        mode,
+        epilogue,
+        grads,
+    )?;
     let mut out = vec![
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::vector(dscale),
@@ -878,16 +913,26 @@ fn second_order<T: Element>(
     let n = x.numel();
     let (mut dg, mut dx) = (vec![T::default(); n], vec![T::default(); n]);
     let mut dscale = vec![T::Stat::ZERO; p.channels()];
+    let inputs = SecondOrderInputs {
+        y_backprop: typed::<T>(dy)?,
+        x: typed::<T>(x)?,
+        scale: typed::<T::Stat>(scale)?,
+        reserve: Statistics {
+            mean: typed::<T::Stat>(rs1)?,
+            variance: typed::<T::Stat>(rs2)?,
+        },
+        grad_x_backprop: typed::<T>(ga)?,
+        grad_scale_backprop: typed::<T::Stat>(gs)?,
+        grad_offset_backprop: typed::<T::Stat>(go)?,
+    };
+    let mode = if is_training {
+        Mode::Training
+    } else {
+        Mode::Inference
+    };
     p.second_order(
-        typed::<T>(dy)?,
-        typed::<T>(x)?,
-        typed::<T::Stat>(scale)?,
-        typed::<T::Stat>(rs1)?,
-        typed::<T::Stat>(rs2)?,
-        typed::<T>(ga)?,
-        typed::<T::Stat>(gs)?,
-        typed::<T::Stat>(go)?,
-        is_training,
+        inputs,
+        mode,
         SecondOrderGradients {
             y_backprop: &mut dg,
             x: &mut dx,

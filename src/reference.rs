@@ -2,22 +2,51 @@
 //!
 //! Nothing here is fast or clever; it exists so that the optimized kernels can be
 //! checked against something a reader can verify in five minutes. Inputs are `f64`
-//! (widen half data first: widening is exact); outputs are unrounded `f64`.
+//! (widen half data first: widening is exact); outputs are unrounded `f64`. The
+//! parameters are the typed API's named structs ([`Affine`], [`Statistics`],
+//! [`GradInputs`], [`SecondOrderInputs`]) with `f64` elements; shape, layout and epsilon
+//! come from the [`Problem`].
+//!
+//! ```
+//! use fusedbn::{DataFormat, Problem, reference::{self, ForwardMode}};
+//! use fusedbn::batch_norm::Affine;
+//! let p = Problem::new(DataFormat::Nhwc, &[1, 1, 6, 1])?.with_epsilon(0.001);
+//! let x = [5.0, 7.0, 9.0, 11.0, 13.0, 15.0];
+//! let f = reference::forward(&p, &x, Affine { scale: &[4.0], offset: &[2.0] },
+//!     ForwardMode::Training { running: None, factor: 1.0 });
+//! assert_eq!(f.reserve_space_1, [10.0]);
+//! assert!((f.y[0] - -3.86).abs() < 0.01);
+//! # Ok::<(), fusedbn::Error>(())
+//! ```
 
-use crate::problem::DataFormat;
+use crate::batch_norm::{
+    Affine, Backward, GradInputs, Mode, Problem, SecondOrderInputs, Statistics,
+};
 
 /// The channel of every element of `x`, in storage order.
-fn channels(format: DataFormat, shape: &[usize]) -> impl Iterator<Item = usize> {
-    let axis = format.channel_axis();
-    let c = shape[axis];
-    let stride: usize = shape[axis + 1..].iter().product();
-    let n: usize = shape.iter().product();
-    (0..n).map(move |i| (i / stride) % c)
+fn channels(p: &Problem) -> impl Iterator<Item = usize> {
+    let g = *p.geometry();
+    (0..g.len()).map(move |i| (i / g.inner) % g.channels.max(1))
+}
+
+/// The forward mode of [`forward`].
+#[derive(Clone, Copy, Debug)]
+pub enum ForwardMode<'a> {
+    /// Batch statistics; `running` (the op's `mean`/`variance` inputs) is read only when
+    /// `factor != 1`.
+    Training {
+        /// The running statistics before the update.
+        running: Option<Statistics<'a, f64>>,
+        /// `exponential_avg_factor`.
+        factor: f64,
+    },
+    /// Population statistics.
+    Inference(Statistics<'a, f64>),
 }
 
 /// Outputs of a forward op.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Forward {
+pub struct ForwardOutputs {
     /// `y`, same layout as `x`.
     pub y: Vec<f64>,
     /// Output `batch_mean`.
@@ -32,7 +61,7 @@ pub struct Forward {
 
 /// Outputs of a gradient op.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Backward {
+pub struct GradOutputs {
     /// `x_backprop`, same layout as `x`.
     pub x_backprop: Vec<f64>,
     /// `scale_backprop`.
@@ -41,113 +70,101 @@ pub struct Backward {
     pub offset_backprop: Vec<f64>,
 }
 
-/// Forward pass in training mode. `mean`/`variance` are only read when `factor != 1`.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_training(
-    format: DataFormat,
-    shape: &[usize],
+/// A forward op (SPEC §3): `y`, and the statistics outputs (in inference, the given
+/// statistics passed through; NaN for an empty `x`).
+pub fn forward(
+    p: &Problem,
     x: &[f64],
-    scale: &[f64],
-    offset: &[f64],
-    mean: &[f64],
-    variance: &[f64],
-    epsilon: f64,
-    factor: f64,
-) -> Forward {
-    let c = shape[format.channel_axis()];
-    let m = x.len() / c.max(1);
-    let mut sum = vec![0.0; c];
-    for (ch, v) in channels(format, shape).zip(x) {
-        sum[ch] += v;
-    }
-    let mu: Vec<f64> = sum.iter().map(|s| s / m as f64).collect();
-    let mut sq = vec![0.0; c];
-    for (ch, v) in channels(format, shape).zip(x) {
-        sq[ch] += (v - mu[ch]) * (v - mu[ch]);
-    }
-    let var: Vec<f64> = sq.iter().map(|s| s / m as f64).collect();
-    let y = channels(format, shape)
+    affine: Affine<'_, f64>,
+    mode: ForwardMode<'_>,
+) -> ForwardOutputs {
+    let c = p.channels();
+    let epsilon = f64::from(p.epsilon());
+    let (scale, offset) = (affine.scale, affine.offset);
+    let (mu, var, batch) = match mode {
+        ForwardMode::Training { running, factor } => {
+            let m = x.len() / c.max(1);
+            let mut sum = vec![0.0; c];
+            for (ch, v) in channels(p).zip(x) {
+                sum[ch] += v;
+            }
+            let mu: Vec<f64> = sum.iter().map(|s| s / m as f64).collect();
+            let mut sq = vec![0.0; c];
+            for (ch, v) in channels(p).zip(x) {
+                sq[ch] += (v - mu[ch]) * (v - mu[ch]);
+            }
+            let var: Vec<f64> = sq.iter().map(|s| s / m as f64).collect();
+            let adj = m as f64 / (m as f64 - 1.0).max(1.0);
+            let batch = if x.is_empty() {
+                (vec![f64::NAN; c], vec![f64::NAN; c])
+            } else if factor == 1.0 {
+                (mu.clone(), var.iter().map(|v| adj * v).collect())
+            } else {
+                let r = running.unwrap_or(Statistics {
+                    mean: &[],
+                    variance: &[],
+                });
+                let old = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(f64::NAN);
+                (
+                    (0..c)
+                        .map(|i| (1.0 - factor) * old(r.mean, i) + factor * mu[i])
+                        .collect(),
+                    (0..c)
+                        .map(|i| (1.0 - factor) * old(r.variance, i) + factor * adj * var[i])
+                        .collect(),
+                )
+            };
+            (mu, var, batch)
+        }
+        ForwardMode::Inference(s) => {
+            let batch = if x.is_empty() {
+                (vec![f64::NAN; c], vec![f64::NAN; c])
+            } else {
+                (s.mean.to_vec(), s.variance.to_vec())
+            };
+            (s.mean.to_vec(), s.variance.to_vec(), batch)
+        }
+    };
+    let y = channels(p)
         .zip(x)
         .map(|(ch, v)| (v - mu[ch]) * (scale[ch] / (var[ch] + epsilon).sqrt()) + offset[ch])
         .collect();
-    let adj = m as f64 / (m as f64 - 1.0).max(1.0);
-    let (batch_mean, batch_variance) = if x.is_empty() {
-        (vec![f64::NAN; c], vec![f64::NAN; c])
-    } else if factor == 1.0 {
-        (mu.clone(), var.iter().map(|v| adj * v).collect())
-    } else {
-        (
-            (0..c)
-                .map(|i| (1.0 - factor) * mean[i] + factor * mu[i])
-                .collect(),
-            (0..c)
-                .map(|i| (1.0 - factor) * variance[i] + factor * adj * var[i])
-                .collect(),
-        )
-    };
-    Forward {
+    let training = matches!(mode, ForwardMode::Training { .. });
+    let (batch_mean, batch_variance) = batch;
+    ForwardOutputs {
         y,
-        batch_mean,
-        batch_variance,
-        reserve_space_1: mu,
-        reserve_space_2: var,
-    }
-}
-
-/// Forward pass in inference mode with population statistics `mean`/`variance`.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_inference(
-    format: DataFormat,
-    shape: &[usize],
-    x: &[f64],
-    scale: &[f64],
-    offset: &[f64],
-    mean: &[f64],
-    variance: &[f64],
-    epsilon: f64,
-) -> Forward {
-    let c = shape[format.channel_axis()];
-    let y = channels(format, shape)
-        .zip(x)
-        .map(|(ch, v)| (v - mean[ch]) * (scale[ch] / (variance[ch] + epsilon).sqrt()) + offset[ch])
-        .collect();
-    let (batch_mean, batch_variance) = if x.is_empty() {
-        (vec![f64::NAN; c], vec![f64::NAN; c])
-    } else {
-        (mean.to_vec(), variance.to_vec())
-    };
-    Forward {
-        y,
-        reserve_space_1: batch_mean.clone(),
-        reserve_space_2: batch_variance.clone(),
+        reserve_space_1: if training { mu } else { batch_mean.clone() },
+        reserve_space_2: if training {
+            var
+        } else {
+            batch_variance.clone()
+        },
         batch_mean,
         batch_variance,
     }
 }
 
-/// Gradient. `rs1`/`rs2` are the batch mean and biased variance in training, the
-/// population mean and variance in inference.
-#[allow(clippy::too_many_arguments)]
+/// A gradient op: `mode` carries the batch mean and biased variance (training) or the
+/// population statistics (inference).
 pub fn backward(
-    format: DataFormat,
-    shape: &[usize],
-    dy: &[f64],
-    x: &[f64],
+    p: &Problem,
+    inputs: GradInputs<'_, f64>,
     scale: &[f64],
-    rs1: &[f64],
-    rs2: &[f64],
-    epsilon: f64,
-    is_training: bool,
-) -> Backward {
-    let c = shape[format.channel_axis()];
+    mode: Backward<'_, f64>,
+) -> GradOutputs {
+    let (dy, x) = (inputs.y_backprop, inputs.x);
+    let (rs1, rs2) = (mode.statistics().mean, mode.statistics().variance);
+    let is_training = mode.is_training();
+    let epsilon = f64::from(p.epsilon());
+    let c = p.channels();
     let m = x.len() / c.max(1);
     let r: Vec<f64> = rs2.iter().map(|v| 1.0 / (v + epsilon).sqrt()).collect();
     let (mut sum_dy, mut sum_dy_xc) = (vec![0.0; c], vec![0.0; c]);
-    for ((ch, d), v) in channels(format, shape).zip(dy).zip(x) {
+    for ((ch, d), v) in channels(p).zip(dy).zip(x) {
         sum_dy[ch] += d;
         sum_dy_xc[ch] += d * (v - rs1[ch]);
     }
-    let x_backprop = channels(format, shape)
+    let x_backprop = channels(p)
         .zip(dy)
         .zip(x)
         .map(|((ch, d), v)| {
@@ -166,7 +183,7 @@ pub fn backward(
     } else {
         (0..c).map(|i| r[i] * sum_dy_xc[i]).collect()
     };
-    Backward {
+    GradOutputs {
         x_backprop,
         scale_backprop,
         offset_backprop: sum_dy,
@@ -198,7 +215,7 @@ pub fn relu_mask(dy: &[f64], y: &[f64]) -> Vec<f64> {
 
 /// Outputs of a second-order gradient op.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SecondOrder {
+pub struct SecondOrderOutputs {
     /// Gradient with respect to `y_backprop`.
     pub grad_y_backprop: Vec<f64>,
     /// Gradient with respect to `x`.
@@ -211,40 +228,41 @@ pub struct SecondOrder {
 /// upstream gradients `ga` (for `x_backprop`, the shape of x), `gs` (for
 /// `scale_backprop`) and `go` (for `offset_backprop`). In training the mean and
 /// variance are recomputed from `x` (as TensorFlow does); in inference they are
-/// `rs1`/`rs2`.
-#[allow(clippy::too_many_arguments)]
+/// `inputs.reserve`.
 pub fn second_order(
-    format: DataFormat,
-    shape: &[usize],
-    g: &[f64],
-    x: &[f64],
-    scale: &[f64],
-    rs1: &[f64],
-    rs2: &[f64],
-    ga: &[f64],
-    gs: &[f64],
-    go: &[f64],
-    epsilon: f64,
-    is_training: bool,
-) -> SecondOrder {
-    let c = shape[format.channel_axis()];
+    p: &Problem,
+    inputs: SecondOrderInputs<'_, f64>,
+    mode: Mode,
+) -> SecondOrderOutputs {
+    let SecondOrderInputs {
+        y_backprop: g,
+        x,
+        scale,
+        reserve,
+        grad_x_backprop: ga,
+        grad_scale_backprop: gs,
+        grad_offset_backprop: go,
+    } = inputs;
+    let is_training = mode == Mode::Training;
+    let epsilon = f64::from(p.epsilon());
+    let c = p.channels();
     let m = (x.len() / c.max(1)) as f64;
-    let ch: Vec<usize> = channels(format, shape).collect();
+    let ch: Vec<usize> = channels(p).collect();
     let (mu, var) = if is_training {
-        let f = forward_training(
-            format,
-            shape,
-            x,
-            &vec![1.0; c],
-            &vec![0.0; c],
-            &[],
-            &[],
-            epsilon,
-            1.0,
-        );
+        let ones = vec![1.0; c];
+        let zeros = vec![0.0; c];
+        let affine = Affine {
+            scale: &ones,
+            offset: &zeros,
+        };
+        let mode = ForwardMode::Training {
+            running: None,
+            factor: 1.0,
+        };
+        let f = forward(p, x, affine, mode);
         (f.reserve_space_1, f.reserve_space_2)
     } else {
-        (rs1.to_vec(), rs2.to_vec())
+        (reserve.mean.to_vec(), reserve.variance.to_vec())
     };
     let r: Vec<f64> = var.iter().map(|v| 1.0 / (v + epsilon).sqrt()).collect();
     let xh: Vec<f64> = (0..x.len())
@@ -284,7 +302,7 @@ pub fn second_order(
             grad_x[i] = gs[j] * rr * g[i];
         }
     }
-    SecondOrder {
+    SecondOrderOutputs {
         grad_y_backprop,
         grad_x,
         grad_scale,

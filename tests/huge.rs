@@ -32,8 +32,8 @@ fn run(op: Op, format: DataFormat, training: bool) {
     let ran = start.elapsed() - made;
     let c = LOGICAL[3];
     let channels = [0, 1, c / 2, c - 1];
-    let want = reference(case.op, &case.named(&inputs), &case.attrs, Some(&channels))
-        .expect("reference");
+    let want =
+        reference(case.op, &case.named(&inputs), &case.attrs, Some(&channels)).expect("reference");
     let report = check(&want, &outputs).unwrap_or_else(|e| panic!("{case}: {e}"));
     eprintln!(
         "{case}: {} elements, inputs {:.1} s, op {:.1} s, worst {:.3} of the tolerance\n{report}",

@@ -7,8 +7,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use fusedbn::batch_norm::{Gradients, SavedStats};
-use fusedbn::layer::{BatchNorm, LayerGradients, WeightsError};
+use fusedbn::batch_norm::{
+    Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients, SavedStats,
+    Statistics, TrainingStats,
+};
+use fusedbn::layer::{BatchNorm, Forwarded, LayerGradients, WeightsError};
+
 use fusedbn::{bf16, npy, DataFormat, Problem};
 
 fn fixtures() -> PathBuf {
@@ -147,7 +151,9 @@ fn every_keras_fixture_matches_tf_keras() {
                 &read(dir, s["y"].as_str().expect("y")).0,
             );
             let (dy, _) = read(dir, s["dy"].as_str().expect("dy"));
-            let g = bn.backward(&dy).expect("backward");
+            let g = bn
+                .backward(Forwarded { x: &x, y: &y }, &dy)
+                .expect("backward");
             check(
                 &mut worst,
                 &mut failures,
@@ -421,15 +427,22 @@ fn load_errors_name_what_was_expected_and_found() {
 #[test]
 fn misuse_is_an_error_not_a_panic() {
     let mut bn = BatchNorm::new(DataFormat::Nhwc, 2);
-    let e = bn.backward(&[1.0f32; 4]).unwrap_err();
+    let (x, y4) = ([1.0f32; 8], [0.0f32; 4]);
+    let e = bn
+        .backward(Forwarded { x: &x[..4], y: &y4 }, &[1.0f32; 4])
+        .unwrap_err();
     assert!(e.to_string().contains("preceding forward"), "{e}");
-    bn.forward(&[1.0f32; 8], &[4, 2], true).expect("forward");
-    let e = bn.backward(&[1.0f32; 6]).unwrap_err();
+    let y = bn.forward(&x, &[4, 2], true).expect("forward");
+    let fw = Forwarded { x: &x, y: &y };
+    let e = bn.backward(fw, &[1.0f32; 6]).unwrap_err();
     assert_eq!(
         e.to_string(),
         "y_backprop: expected 8 elements (shape [4, 1, 1, 2]), found 6 elements"
     );
-    let e = bn.backward(&[bf16::ONE; 8]).unwrap_err();
+    let xb = [bf16::ONE; 8];
+    let e = bn
+        .backward(Forwarded { x: &xb, y: &xb }, &[bf16::ONE; 8])
+        .unwrap_err();
     assert_eq!(
         e.to_string(),
         "dy: expected f32 elements (the type of the forward input), found bf16 elements"
@@ -440,7 +453,7 @@ fn misuse_is_an_error_not_a_panic() {
     assert!(bn.forward(&[1.0f32; 8], &[2, 1, 1, 1, 2], true).is_err());
     assert!(bn.forward(&[1.0f32; 7], &[4, 2], true).is_err());
     // A failed forward drops the cache and leaves the statistics alone.
-    assert!(bn.backward(&[1.0f32; 8]).is_err());
+    assert!(bn.backward(fw, &[1.0f32; 8]).is_err());
     let stats = bn.moving_mean().to_vec();
     assert!(bn.forward(&[5.0f32; 7], &[4, 2], true).is_err());
     assert_eq!(bn.moving_mean(), &stats[..]);
@@ -450,7 +463,9 @@ fn misuse_is_an_error_not_a_panic() {
         .expect("empty forward");
     assert!(y.is_empty());
     assert_eq!(bn.moving_mean(), &stats[..]);
-    let g = bn.backward::<f32>(&[]).expect("empty backward");
+    let g = bn
+        .backward::<f32>(Forwarded { x: &[], y: &[] }, &[])
+        .expect("empty backward");
     assert_eq!(g.beta, Some(vec![0.0, 0.0]));
     let e = bn.apply_sgd(
         &LayerGradients::<f32> {
@@ -486,19 +501,33 @@ fn relu_backward_matches_the_op_composition() {
             .expect("moving_variance");
         let (mm, mv) = (bn.moving_mean().to_vec(), bn.moving_variance().to_vec());
         let y = bn.forward(&x, &shape, training).expect("forward");
-        let g = bn.backward(&dy).expect("backward");
+        let g = bn
+            .backward(Forwarded { x: &x, y: &y }, &dy)
+            .expect("backward");
 
         // Composition: plain BN, then ReLU, then the plain gradient on the masked dy.
         let (mut z, mut mean, mut var) = (vec![0.0f32; n], vec![0.0f32; c], vec![0.0f32; c]);
+        let affine = Affine {
+            scale: &gamma,
+            offset: &beta,
+        };
         if training {
             let saved = SavedStats {
                 mean: &mut mean,
                 variance: &mut var,
             };
-            p.forward_training(&x, &gamma, &beta, &mut z, saved, None)
+            let mode = Forward::Training(TrainingStats {
+                saved,
+                running: None,
+            });
+            p.forward(&x, affine, mode, Epilogue::plain(), &mut z)
                 .expect("forward_training");
         } else {
-            p.forward_inference(&x, &gamma, &beta, &mm, &mv, &mut z)
+            let mode = Forward::Inference(Statistics {
+                mean: &mm,
+                variance: &mv,
+            });
+            p.forward(&x, affine, mode, Epilogue::plain(), &mut z)
                 .expect("forward_inference");
             (mean, var) = (mm, mv);
         }
@@ -520,13 +549,21 @@ fn relu_backward_matches_the_op_composition() {
             scale: &mut dg,
             offset: &mut db,
         };
-        if training {
-            p.backward_training(&masked, &x, &gamma, &mean, &var, grads)
-                .expect("backward");
+        let stats = Statistics {
+            mean: &mean,
+            variance: &var,
+        };
+        let mode = if training {
+            Backward::Training(stats)
         } else {
-            p.backward_inference(&masked, &x, &gamma, &mean, &var, grads)
-                .expect("backward");
-        }
+            Backward::Inference(stats)
+        };
+        let inputs = GradInputs {
+            y_backprop: &masked,
+            x: &x,
+        };
+        p.backward(inputs, &gamma, mode, GradEpilogue::default(), grads)
+            .expect("backward");
         for (got, want) in [
             (&g.x, &dx),
             (g.gamma.as_ref().expect("dgamma"), &dg),
@@ -570,8 +607,10 @@ fn relu_training_gradient_matches_finite_differences() {
             .sum()
     };
     let mut bn = make();
-    bn.forward(&x, &shape, true).expect("forward");
-    let g = bn.backward(&dy).expect("backward");
+    let y = bn.forward(&x, &shape, true).expect("forward");
+    let g = bn
+        .backward(Forwarded { x: &x, y: &y }, &dy)
+        .expect("backward");
     let (gamma, beta) = (bn.gamma().to_vec(), bn.beta().to_vec());
     let h = 1e-2f32;
     let numeric = |f: &dyn Fn(f32) -> f64| (f(h) - f(-h)) / f64::from(2.0 * h);

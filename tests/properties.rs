@@ -3,7 +3,10 @@
 //! (`fusedbn::driver`: its inputs, its reference and its one tolerance policy); plus
 //! thread-count independence and the independence of streamed outputs from alignment.
 
-use fusedbn::batch_norm::{Gradients, SavedStats};
+use fusedbn::batch_norm::{
+    Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients, SavedStats,
+    Statistics, TrainingStats,
+};
 use fusedbn::driver::{check, reference, Case, Fill};
 use fusedbn::ops::Op;
 use fusedbn::{DType, DataFormat, Isa, Tensor};
@@ -379,26 +382,31 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
             let run = |offset_elems: usize| {
                 let mut buf = vec![0f32; n + offset_elems];
                 let (mut mu, mut var) = (vec![0f32; 3], vec![0f32; 3]);
-                p.forward_training(
+                p.forward(
                     x,
-                    scale,
-                    offset,
+                    Affine { scale, offset },
+                    Forward::Training(TrainingStats {
+                        saved: SavedStats {
+                            mean: &mut mu,
+                            variance: &mut var,
+                        },
+                        running: None,
+                    }),
+                    Epilogue::plain(),
                     &mut buf[offset_elems..],
-                    SavedStats {
-                        mean: &mut mu,
-                        variance: &mut var,
-                    },
-                    None,
                 )
                 .unwrap();
                 let mut dx = vec![0f32; n + offset_elems];
                 let (mut ds, mut db) = (vec![0f32; 3], vec![0f32; 3]);
-                p.backward_training(
-                    dy,
-                    x,
+                let inputs = GradInputs { y_backprop: dy, x };
+                p.backward(
+                    inputs,
                     scale,
-                    &mu,
-                    &var,
+                    Backward::Training(Statistics {
+                        mean: &mu,
+                        variance: &var,
+                    }),
+                    GradEpilogue::default(),
                     Gradients {
                         x: &mut dx[offset_elems..],
                         scale: &mut ds,
@@ -407,12 +415,11 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
                 )
                 .unwrap();
                 let mut dxi = vec![0f32; n + offset_elems];
-                p.backward_inference(
-                    dy,
-                    x,
+                p.backward(
+                    inputs,
                     scale,
-                    mean,
-                    variance,
+                    Backward::Inference(Statistics { mean, variance }),
+                    GradEpilogue::default(),
                     Gradients {
                         x: &mut dxi[offset_elems..],
                         scale: &mut ds,

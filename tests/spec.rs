@@ -3,7 +3,10 @@
 
 mod common;
 
-use fusedbn::batch_norm::{Gradients, SavedStats};
+use fusedbn::batch_norm::{
+    Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients, Mode, SavedStats,
+    SecondOrderInputs, Statistics, TrainingStats,
+};
 use fusedbn::ops::{Attrs, Inputs, Op, Outputs};
 use fusedbn::{DataFormat, Error, Problem, Tensor};
 use half::{bf16, f16};
@@ -122,16 +125,21 @@ fn spec7_statistics_with_large_mean() {
         let p = Problem::new(format, &shape).unwrap();
         let mut y = vec![0f32; x.len()];
         let (mut mu, mut var) = ([0f32; 2], [0f32; 2]);
-        p.forward_training(
+        p.forward(
             &x,
-            &[1.0; 2],
-            &[0.0; 2],
-            &mut y,
-            SavedStats {
-                mean: &mut mu,
-                variance: &mut var,
+            Affine {
+                scale: &[1.0; 2],
+                offset: &[0.0; 2],
             },
-            None,
+            Forward::Training(TrainingStats {
+                saved: SavedStats {
+                    mean: &mut mu,
+                    variance: &mut var,
+                },
+                running: None,
+            }),
+            Epilogue::plain(),
+            &mut y,
         )
         .unwrap();
         for ch in 0..c {
@@ -641,21 +649,26 @@ fn typed_layer_writes_nothing_on_error() {
     let mut y = vec![7.0f32; 24];
     let (mut mu, mut var) = (vec![7.0f32; 3], vec![7.0f32; 2]); // variance buffer too short
     let e = p
-        .forward_training(
+        .forward(
             &x,
-            &[1.0; 3],
-            &[0.0; 3],
-            &mut y,
-            SavedStats {
-                mean: &mut mu,
-                variance: &mut var,
+            Affine {
+                scale: &[1.0; 3],
+                offset: &[0.0; 3],
             },
-            None,
+            Forward::Training(TrainingStats {
+                saved: SavedStats {
+                    mean: &mut mu,
+                    variance: &mut var,
+                },
+                running: None,
+            }),
+            Epilogue::plain(),
+            &mut y,
         )
         .unwrap_err();
     assert!(
         e.to_string()
-            .starts_with("reserve_space_2 (output): expected 3 elements"),
+            .starts_with("saved variance (reserve_space_2, output): expected 3 elements"),
         "{e}"
     );
     assert!(y.iter().chain(&mu).chain(&var).all(|&v| v == 7.0));
@@ -663,12 +676,17 @@ fn typed_layer_writes_nothing_on_error() {
     let mut dx = vec![7.0f32; 23];
     let (mut ds, mut db) = (vec![7.0f32; 3], vec![7.0f32; 3]);
     let e = p
-        .backward_training(
-            &x,
-            &x,
+        .backward(
+            GradInputs {
+                y_backprop: &x,
+                x: &x,
+            },
             &[1.0; 3],
-            &[0.0; 3],
-            &[1.0; 3],
+            Backward::Training(Statistics {
+                mean: &[0.0; 3],
+                variance: &[1.0; 3],
+            }),
+            GradEpilogue::default(),
             Gradients {
                 x: &mut dx,
                 scale: &mut ds,
@@ -733,7 +751,7 @@ mod no_panic {
 /// tiles disagree by thousands of standard deviations.
 #[test]
 fn spec7_statistics_with_drifting_data() {
-    use fusedbn::kernels::simd::Isa;
+    use fusedbn::Isa;
     let mut rng = common::Rng::new(9);
     let (n, hw, c) = (8usize, 128 * 128, 3usize);
     for format in [DataFormat::Nhwc, DataFormat::Nchw] {
@@ -750,31 +768,39 @@ fn spec7_statistics_with_drifting_data() {
             .collect();
         let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
         let ones = vec![1.0; c];
-        let r = fusedbn::reference::forward_training(
-            format,
-            &shape,
+        let zeros = vec![0.0; c];
+        let rp = Problem::new(format, &shape).unwrap().with_epsilon(1e-3);
+        let r = fusedbn::reference::forward(
+            &rp,
             &xs,
-            &ones,
-            &vec![0.0; c],
-            &[],
-            &[],
-            1e-3,
-            1.0,
+            Affine {
+                scale: &ones,
+                offset: &zeros,
+            },
+            fusedbn::reference::ForwardMode::Training {
+                running: None,
+                factor: 1.0,
+            },
         );
         for isa in Isa::supported() {
             let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
             let mut y = vec![0f32; x.len()];
             let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-            p.forward_training(
+            p.forward(
                 &x,
-                &[1.0; 3],
-                &[0.0; 3],
-                &mut y,
-                SavedStats {
-                    mean: &mut mu,
-                    variance: &mut var,
+                Affine {
+                    scale: &[1.0; 3],
+                    offset: &[0.0; 3],
                 },
-                None,
+                Forward::Training(TrainingStats {
+                    saved: SavedStats {
+                        mean: &mut mu,
+                        variance: &mut var,
+                    },
+                    running: None,
+                }),
+                Epilogue::plain(),
+                &mut y,
             )
             .unwrap();
             for ch in 0..c {
@@ -914,32 +940,58 @@ fn second_order_formulas_match_finite_differences() {
         let (g, x, scale) = (v(n, 1.0, 0.0), v(n, 2.0, 1.0), v(c, 0.3, 1.0));
         let (ga, gs, go) = (v(n, 1.0, 0.0), v(c, 1.0, 0.0), v(c, 1.0, 0.0));
         let (pm, pv) = (v(c, 1.0, 0.0), v(c, 0.2, 1.5));
-        let eps = 1e-3;
+        let p = Problem::new(format, &shape).unwrap().with_epsilon(1e-3);
+        let (ones, zeros) = (vec![1.0; c], vec![0.0; c]);
         for training in [true, false] {
             let loss = |g: &[f64], x: &[f64], scale: &[f64]| {
                 let (rs1, rs2) = if training {
-                    let f = reference::forward_training(
-                        format,
-                        &shape,
+                    let f = reference::forward(
+                        &p,
                         x,
-                        &vec![1.0; c],
-                        &vec![0.0; c],
-                        &[],
-                        &[],
-                        eps,
-                        1.0,
+                        Affine {
+                            scale: &ones,
+                            offset: &zeros,
+                        },
+                        reference::ForwardMode::Training {
+                            running: None,
+                            factor: 1.0,
+                        },
                     );
                     (f.reserve_space_1, f.reserve_space_2)
                 } else {
                     (pm.clone(), pv.clone())
                 };
-                let b = reference::backward(format, &shape, g, x, scale, &rs1, &rs2, eps, training);
+                let stats = Statistics {
+                    mean: &rs1,
+                    variance: &rs2,
+                };
+                let mode = if training {
+                    Backward::Training(stats)
+                } else {
+                    Backward::Inference(stats)
+                };
+                let b = reference::backward(&p, GradInputs { y_backprop: g, x }, scale, mode);
                 let dot = |p: &[f64], q: &[f64]| p.iter().zip(q).map(|(a, b)| a * b).sum::<f64>();
                 dot(&ga, &b.x_backprop) + dot(&gs, &b.scale_backprop) + dot(&go, &b.offset_backprop)
             };
-            let r = reference::second_order(
-                format, &shape, &g, &x, &scale, &pm, &pv, &ga, &gs, &go, eps, training,
-            );
+            let inputs = SecondOrderInputs {
+                y_backprop: &g,
+                x: &x,
+                scale: &scale,
+                reserve: Statistics {
+                    mean: &pm,
+                    variance: &pv,
+                },
+                grad_x_backprop: &ga,
+                grad_scale_backprop: &gs,
+                grad_offset_backprop: &go,
+            };
+            let mode = if training {
+                Mode::Training
+            } else {
+                Mode::Inference
+            };
+            let r = reference::second_order(&p, inputs, mode);
             let h = 1e-6;
             let fd = |which: usize, i: usize| {
                 let (mut a, mut b) = (

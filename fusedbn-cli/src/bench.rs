@@ -35,11 +35,14 @@ use std::time::{Duration, Instant};
 use std::any::Any;
 
 use clap::{Args, ValueEnum};
-use fusedbn::batch_norm::{Activation, Gradients, RunningStats, SavedStats, SecondOrderGradients};
+use fusedbn::batch_norm::{
+    Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients, Mode, RunningStats,
+    SavedStats, SecondOrderGradients, SecondOrderInputs, Statistics, TrainingStats,
+};
 use fusedbn::driver::{self, Placement};
-use fusedbn::kernels::simd::Isa;
-use fusedbn::kernels::{PARALLEL_MIN, TASK};
 use fusedbn::ops::{Op, Outputs};
+use fusedbn::tuning::{PARALLEL_MIN, TASK};
+use fusedbn::Isa;
 use fusedbn::{DType, DataFormat, Element, Problem, Real, Tensor, TensorData};
 use rayon::prelude::*;
 
@@ -174,17 +177,17 @@ fn bench_help() -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 #[value(rename_all = "snake_case")]
 pub enum BenchOp {
-    /// `Problem::forward_training` (batch statistics, running statistics with factor 1).
+    /// `Problem::forward` in training (batch statistics, running statistics with factor 1).
     ForwardTraining,
-    /// `Problem::forward_inference`.
+    /// `Problem::forward` in inference.
     ForwardInference,
-    /// `Problem::backward_training`.
+    /// `Problem::backward` in training.
     BackwardTraining,
-    /// `Problem::backward_inference`.
+    /// `Problem::backward` in inference.
     BackwardInference,
-    /// `Problem::forward_training_ex` with a side input and Relu.
+    /// `Problem::forward` in training with a side input and Relu.
     ForwardTrainingEx,
-    /// `Problem::backward_training_ex`: Relu mask from the forward y, with
+    /// `Problem::backward` in training: Relu mask from the forward y, with
     /// side_input_backprop.
     BackwardTrainingEx,
     /// `Problem::second_order` in training (statistics recomputed from x).
@@ -427,7 +430,7 @@ fn parse_isas(values: &[String]) -> Result<Vec<Isa>> {
 }
 
 /// The ISA the kernels of `dtype` really run with when the problem asks for `isa`: the
-/// f64 kernels are always the portable ones (`fusedbn::kernels::simd::Dispatch`).
+/// f64 kernels are always the portable ones (the library dispatches f64 to its portable kernels).
 fn effective_isa(dtype: DType, isa: Isa) -> Isa {
     if dtype == DType::F64 {
         Isa::Scalar
@@ -928,102 +931,83 @@ impl<T: Element> Workload<T> {
     fn run_op(&mut self) -> fusedbn::Result<()> {
         let p = &self.problem;
         let [s0, s1, s2, s3] = &mut self.stat_out;
+        let affine = Affine {
+            scale: &self.scale,
+            offset: &self.offset,
+        };
+        let stats = Statistics {
+            mean: &self.mean,
+            variance: &self.variance,
+        };
+        let inputs = GradInputs {
+            y_backprop: &self.dy,
+            x: &self.x,
+        };
         match self.op {
             BenchOp::ForwardTraining | BenchOp::ForwardTrainingEx => {
-                let (side, activation) = if self.op == BenchOp::ForwardTrainingEx {
-                    (Some(&self.extra[..]), Activation::Relu)
+                let epilogue = if self.op == BenchOp::ForwardTrainingEx {
+                    Epilogue::relu(Some(&self.extra[..]))
                 } else {
-                    (None, Activation::Identity)
+                    Epilogue::plain()
                 };
-                let saved = SavedStats {
-                    mean: s0,
-                    variance: s1,
-                };
-                let running = Some(RunningStats {
-                    mean: s2,
-                    variance: s3,
-                    factor: 1.0,
+                let mode = Forward::Training(TrainingStats {
+                    saved: SavedStats {
+                        mean: s0,
+                        variance: s1,
+                    },
+                    running: Some(RunningStats {
+                        mean: s2,
+                        variance: s3,
+                        factor: 1.0,
+                    }),
                 });
-                if side.is_none() {
-                    p.forward_training(
-                        &self.x,
-                        &self.scale,
-                        &self.offset,
-                        &mut self.out,
-                        saved,
-                        running,
-                    )
-                } else {
-                    p.forward_training_ex(
-                        &self.x,
-                        &self.scale,
-                        &self.offset,
-                        side,
-                        activation,
-                        &mut self.out,
-                        saved,
-                        running,
-                    )
-                }
+                p.forward(&self.x, affine, mode, epilogue, &mut self.out)
             }
-            BenchOp::ForwardInference => p.forward_inference(
+            BenchOp::ForwardInference => p.forward(
                 &self.x,
-                &self.scale,
-                &self.offset,
-                &self.mean,
-                &self.variance,
+                affine,
+                Forward::Inference(stats),
+                Epilogue::plain(),
                 &mut self.out,
             ),
-            BenchOp::BackwardTraining | BenchOp::BackwardInference => {
+            BenchOp::BackwardTraining
+            | BenchOp::BackwardInference
+            | BenchOp::BackwardTrainingEx => {
+                let mode = if self.op == BenchOp::BackwardInference {
+                    Backward::Inference(stats)
+                } else {
+                    Backward::Training(stats)
+                };
+                let epilogue = if self.op == BenchOp::BackwardTrainingEx {
+                    GradEpilogue {
+                        relu_output: Some(&self.extra),
+                        side_input_backprop: Some(&mut self.out2),
+                    }
+                } else {
+                    GradEpilogue::default()
+                };
                 let grads = Gradients {
                     x: &mut self.out,
                     scale: s0,
                     offset: s1,
                 };
-                if self.op == BenchOp::BackwardTraining {
-                    p.backward_training(
-                        &self.dy,
-                        &self.x,
-                        &self.scale,
-                        &self.mean,
-                        &self.variance,
-                        grads,
-                    )
-                } else {
-                    p.backward_inference(
-                        &self.dy,
-                        &self.x,
-                        &self.scale,
-                        &self.mean,
-                        &self.variance,
-                        grads,
-                    )
-                }
+                p.backward(inputs, &self.scale, mode, epilogue, grads)
             }
-            BenchOp::BackwardTrainingEx => p.backward_training_ex(
-                &self.dy,
-                &self.x,
-                &self.scale,
-                &self.mean,
-                &self.variance,
-                Some(&self.extra),
-                Gradients {
-                    x: &mut self.out,
-                    scale: s0,
-                    offset: s1,
-                },
-                Some(&mut self.out2),
-            ),
             BenchOp::SecondOrderTraining | BenchOp::SecondOrderInference => p.second_order(
-                &self.dy,
-                &self.x,
-                &self.scale,
-                &self.mean,
-                &self.variance,
-                &self.extra,
-                s2,
-                s3,
-                self.op == BenchOp::SecondOrderTraining,
+                SecondOrderInputs {
+                    y_backprop: &self.dy,
+                    x: &self.x,
+                    scale: &self.scale,
+                    reserve: stats,
+                    grad_x_backprop: &self.extra,
+                    grad_scale_backprop: s2,
+                    grad_offset_backprop: s3,
+                },
+                if self.op == BenchOp::SecondOrderTraining {
+                    Mode::Training
+                } else {
+                    Mode::Inference
+                },
                 SecondOrderGradients {
                     y_backprop: &mut self.out,
                     x: &mut self.out2,

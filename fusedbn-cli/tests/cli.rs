@@ -686,7 +686,7 @@ fn bench_rejects_an_isa_this_cpu_lacks() {
     let lacking: Vec<&str> = ISAS
         .into_iter()
         .filter(|&name| {
-            let isa: fusedbn::kernels::simd::Isa = name.parse().unwrap();
+            let isa: fusedbn::Isa = name.parse().unwrap();
             !isa.is_supported()
         })
         .collect();

@@ -283,7 +283,10 @@ fn every_validation_rule_is_one_line_and_writes_nothing() {
         ),
         ("bad epsilon", with(&["--attr", "epsilon=abc"])),
         // (Any f32 epsilon is TensorFlow's to accept, NaN and negative ones included.)
-        ("epsilon out of f32 syntax", with(&["--attr", "epsilon=1e-4x"])),
+        (
+            "epsilon out of f32 syntax",
+            with(&["--attr", "epsilon=1e-4x"]),
+        ),
         ("bad data_format", with(&["--attr", "data_format=HWCN"])),
         (
             "5-D format for 4-D x",
