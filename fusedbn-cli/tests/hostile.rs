@@ -10,7 +10,11 @@ use std::process::{Command, Output, Stdio};
 
 use fusedbn::{npy, Tensor};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fusedbn");
+/// The binary under test: this build's, or `FUSEDBN_BIN` (to run the suite against
+/// another build, e.g. an older one to see which cases it fails).
+fn bin() -> String {
+    std::env::var("FUSEDBN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_fusedbn").to_string())
+}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -38,6 +42,33 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
     walk(dir, dir, &mut out);
     out
 }
+
+/// Fails unless the directory's snapshot is `before`, listing both as names, sizes and
+/// checksums (not bytes).
+fn assert_unchanged(what: &str, before: &Snapshot, after: &Snapshot) {
+    if before != after {
+        let summary = |s: &Snapshot| -> Vec<String> {
+            s.iter()
+                .map(|(p, c)| match c {
+                    None => format!("{}/", p.display()),
+                    Some(b) => {
+                        let h = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+                            (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3)
+                        });
+                        format!("{} ({} bytes, {h:016x})", p.display(), b.len())
+                    }
+                })
+                .collect()
+        };
+        panic!(
+            "{what}: the out dir changed\nbefore: {:?}\nafter:  {:?}",
+            summary(before),
+            summary(after)
+        );
+    }
+}
+
+type Snapshot = BTreeMap<PathBuf, Option<Vec<u8>>>;
 
 /// Checks the error contract of a finished run; returns the message.
 fn assert_one_line_error(what: &str, o: &Output) -> String {
@@ -83,7 +114,7 @@ fn forward_args(inputs: &Path, out: &Path) -> Vec<String> {
 }
 
 fn run(args: &[String]) -> Output {
-    Command::new(BIN)
+    Command::new(bin())
         .args(args)
         .output()
         .expect("the fusedbn binary runs")
@@ -207,7 +238,7 @@ fn bad_and_lying_npy_files() {
             msg.contains("input x") || msg.contains("shape"),
             "{what}: {msg}"
         );
-        assert_eq!(snapshot(&out), before, "{what}: the out dir changed");
+        assert_unchanged(what, &before, &snapshot(&out));
     }
     // Inputs that are not regular files: a device, a directory, a missing path.
     for (what, path) in [
@@ -222,7 +253,7 @@ fn bad_and_lying_npy_files() {
         args[3] = format!("x={}", path.display());
         let msg = assert_one_line_error(what, &run(&args));
         assert!(msg.contains("input x"), "{what}: {msg}");
-        assert_eq!(snapshot(&out), before, "{what}: the out dir changed");
+        assert_unchanged(what, &before, &snapshot(&out));
     }
 }
 
@@ -350,7 +381,7 @@ fn a_failed_run_leaves_earlier_results_untouched() {
         let before = snapshot(&out);
         let msg = assert_one_line_error(blocked, &run(&forward_args(tmp.path(), &out)));
         assert!(msg.contains(&format!("output {blocked}")), "{msg}");
-        assert_eq!(snapshot(&out), before, "{blocked}: the out dir changed");
+        assert_unchanged(blocked, &before, &snapshot(&out));
         std::fs::remove_dir_all(&target).unwrap();
         std::fs::write(&target, saved).unwrap();
     }
@@ -414,7 +445,7 @@ fn a_full_disk_leaves_earlier_results_valid() {
             msg.contains("No space left") || msg.contains("space"),
             "{msg}"
         );
-        assert_eq!(snapshot(&out), before, "the out dir changed");
+        assert_unchanged("full disk", &before, &snapshot(&out));
         let y = npy::read(out.join("y.npy")).expect("earlier y.npy still valid");
         assert_eq!(y.shape(), &[1, 2, 2, 3]);
     });
@@ -447,7 +478,7 @@ fn a_read_only_out_dir_is_refused_untouched() {
         }
         let before = snapshot(&out);
         assert_one_line_error("read-only", &run(&forward_args(tmp.path(), &out)));
-        assert_eq!(snapshot(&out), before);
+        assert_unchanged("read-only", &before, &snapshot(&out));
     });
     umount(&out);
     if let Err(e) = result {
@@ -477,7 +508,7 @@ fn concurrent_writers_never_mix_outputs() {
         let children: Vec<_> = [&a, &b, &a, &b]
             .iter()
             .map(|dir| {
-                Command::new(BIN)
+                Command::new(bin())
                     .args(forward_args(dir, &out))
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
