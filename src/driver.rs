@@ -625,18 +625,7 @@ pub fn reference(
                 Mode::Inference
             };
             let r = refr::second_order(&cp, inputs, mode);
-            let sc = second_order_scales(
-                &g_in,
-                &xs,
-                scale[ch],
-                rs1[ch],
-                rs2[ch],
-                &ga,
-                gs[ch],
-                go[ch],
-                eps,
-                attrs.is_training,
-            );
+            let sc = second_order_scales(inputs, eps, attrs.is_training);
             let mean_rounding = |k: f64| if attrs.is_training { u_eps * k } else { 0.0 };
             put(
                 "grad_y_backprop",
@@ -774,19 +763,19 @@ fn missing(op: Op, name: &str) -> Error {
 /// The term sizes of the three second-order outputs of one channel: the same formulas
 /// as [`crate::reference::second_order`] with every term taken by its absolute value,
 /// then (training) the effect of a rounded mean on grad_y and grad_x, per unit of rounding.
-#[allow(clippy::too_many_arguments)]
-fn second_order_scales(
-    g: &[f64],
-    x: &[f64],
-    sc: f64,
-    rs1: f64,
-    rs2: f64,
-    ga: &[f64],
-    gs: f64,
-    go: f64,
-    eps: f64,
-    training: bool,
-) -> [f64; 5] {
+fn second_order_scales(inputs: SecondOrderInputs<'_, f64>, eps: f64, training: bool) -> [f64; 5] {
+    // One channel: the per-channel inputs hold one value each.
+    let (g, x, ga) = (inputs.y_backprop, inputs.x, inputs.grad_x_backprop);
+    let first = |v: &[f64]| v.first().copied().unwrap_or(0.0);
+    let (sc, rs1, rs2) = (
+        first(inputs.scale),
+        first(inputs.reserve.mean),
+        first(inputs.reserve.variance),
+    );
+    let (gs, go) = (
+        first(inputs.grad_scale_backprop),
+        first(inputs.grad_offset_backprop),
+    );
     let m = x.len().max(1) as f64;
     let (mu, var) = if training {
         let mu = x.iter().sum::<f64>() / m;

@@ -537,10 +537,10 @@ impl Op {
             side_grad: self.is_ex(),
         };
         let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
-            DType::BF16 => gradient::<bf16>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
-            DType::F32 => gradient::<f32>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
-            DType::F64 => gradient::<f64>(&problem, dy, x, scale, rs1, rs2, ex, attrs)?,
+            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
+            DType::BF16 => gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
+            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
+            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
         };
         let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
@@ -829,17 +829,15 @@ struct GradEx<'a> {
     side_grad: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// `[y_backprop, x, scale, reserve_space_1, reserve_space_2]` → `[x_backprop,
+/// scale_backprop, offset_backprop(, side_input_backprop)]`.
 fn gradient<T: Element>(
     p: &Problem,
-    dy: &Tensor,
-    x: &Tensor,
-    scale: &Tensor,
-    rs1: &Tensor,
-    rs2: &Tensor,
+    args: [&Tensor; 5],
     ex: GradEx<'_>,
     attrs: &Attrs,
 ) -> Result<Vec<Tensor>> {
+    let [dy, x, scale, rs1, rs2] = args;
     let mask = match ex.mask {
         Some(t) => Some(typed::<T>(t)?),
         None => None,

@@ -57,7 +57,8 @@ use super::{
 };
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
-use crate::kernels::{apply, backward, fused, stats};
+use crate::kernels::backward::{self, GradData};
+use crate::kernels::{apply, fused, stats};
 
 /// Per-channel count, mean and `M2` (sum of squared deviations from the mean) of one
 /// shard, mergeable in any grouping with [`Moments::merge`] (Chan, Golub and LeVeque's
@@ -170,16 +171,8 @@ impl Problem {
                 .map(|(c, &mo)| forward_coeffs(affine, c, mo, eps))
                 .collect();
             let [shift, a, b] = fused::columns(&k);
-            apply::affine(
-                self.geometry(),
-                self.isa(),
-                x,
-                &shift,
-                &a,
-                &b,
-                epilogue.kernel(),
-                y,
-            );
+            let k = [&shift[..], &a, &b];
+            apply::affine(self.geometry(), self.isa(), x, k, epilogue.kernel(), y);
         }
         write_training_stats(moments, self.channels(), stats);
         Ok(())
@@ -210,12 +203,16 @@ impl Problem {
             return Ok(vec![GradSums::default(); c]);
         }
         let (g, isa) = (self.geometry(), self.isa());
-        let (dy, x, mask) = (inputs.y_backprop, inputs.x, epilogue.relu_output);
+        let data = GradData {
+            dy: inputs.y_backprop,
+            mask: epilogue.relu_output,
+            x: inputs.x,
+        };
         let sums = match epilogue.side_input_backprop {
-            None => backward::reduce(g, isa, dy, mask, x, mean),
+            None => backward::reduce(g, isa, data, mean),
             Some(sg) => {
                 let ones = vec![T::Stat::from_f64(1.0); c];
-                fused::backward_inference(g, isa, dy, mask, x, mean, &ones, sg)
+                fused::backward_inference(g, isa, data, mean, &ones, sg)
             }
         };
         let count = self.elements_per_channel() as f64;
@@ -271,19 +268,12 @@ impl Problem {
                 .map(|(c, s)| backward_coeffs(scale, saved, eps, s.count, c, s.sum_dy, s.sum_dy_xc))
                 .collect();
             let [dm, k1, k2] = fused::columns(&k);
-            let (dy, x) = (inputs.y_backprop, inputs.x);
-            backward::apply(
-                g,
-                isa,
-                dy,
-                relu_output,
-                x,
-                &dm,
-                saved.mean,
-                &k1,
-                &k2,
-                grads.x,
-            );
+            let data = GradData {
+                dy: inputs.y_backprop,
+                mask: relu_output,
+                x: inputs.x,
+            };
+            backward::apply(g, isa, data, [&dm, saved.mean, &k1, &k2], grads.x);
         }
         write_param_grads(saved, eps, &sum_dy, &sum_dy_xc, grads.scale, grads.offset);
         Ok(())

@@ -10,6 +10,7 @@ use super::{
 use crate::element::{Element, Real};
 use crate::error::Result;
 use crate::kernels::apply;
+use crate::kernels::backward::{self, GradData};
 use crate::kernels::second_order::{self, SecondOrderCoeffs};
 use crate::kernels::{fused, stats};
 
@@ -85,16 +86,8 @@ impl Problem {
                     return Ok(());
                 }
                 let a = self.scale_rsqrt(affine.scale, s.variance);
-                apply::affine(
-                    self.geometry(),
-                    self.isa(),
-                    x,
-                    s.mean,
-                    &a,
-                    affine.offset,
-                    epilogue.kernel(),
-                    y,
-                );
+                let k = [s.mean, &a, affine.offset];
+                apply::affine(self.geometry(), self.isa(), x, k, epilogue.kernel(), y);
                 Ok(())
             }
         }
@@ -190,6 +183,7 @@ impl Problem {
         }
         let (g, isa) = (self.geometry(), self.isa());
         let (dy, x, mask) = (inputs.y_backprop, inputs.x, epilogue.relu_output);
+        let data = GradData { dy, mask, x };
         let (rs1, rs2) = (stats.mean, stats.variance);
         let eps = f64::from(self.epsilon());
         let m = self.elements_per_channel() as f64;
@@ -197,30 +191,30 @@ impl Problem {
         let coeffs =
             |c: usize, sdy: f64, sdx: f64| backward_coeffs(scale, stats, eps, m, c, sdy, sdx);
         let sums = match (mode.is_training(), epilogue.side_input_backprop) {
-            (true, None) => fused::backward_training(g, isa, dy, mask, x, rs1, grads.x, coeffs),
+            (true, None) => fused::backward_training(g, isa, data, rs1, grads.x, coeffs),
             (true, Some(sg)) => {
                 // The reduction pass also writes the (masked) dy: k1 = 1.
-                let sums = fused::backward_inference(g, isa, dy, mask, x, rs1, &ones(), sg);
+                let sums = fused::backward_inference(g, isa, data, rs1, &ones(), sg);
                 let k: Vec<_> = (0..self.channels())
                     .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
                     .collect();
                 let [dm, k1, k2] = fused::columns(&k);
-                crate::kernels::backward::apply(g, isa, dy, mask, x, &dm, rs1, &k1, &k2, grads.x);
+                backward::apply(g, isa, data, [&dm, rs1, &k1, &k2], grads.x);
                 sums
             }
             (false, None) => {
                 // dx = dy·scale·r, with the sums, in one pass.
                 let k1 = self.scale_rsqrt(scale, rs2);
-                fused::backward_inference(g, isa, dy, mask, x, rs1, &k1, grads.x)
+                fused::backward_inference(g, isa, data, rs1, &k1, grads.x)
             }
             (false, Some(sg)) => {
                 // The sums and the (masked) dy in one pass, then dx = sg·scale·r from
                 // that output alone (not dy, y and x again).
                 let k1 = self.scale_rsqrt(scale, rs2);
-                let sums = fused::backward_inference(g, isa, dy, mask, x, rs1, &ones(), sg);
+                let sums = fused::backward_inference(g, isa, data, rs1, &ones(), sg);
                 let zero = vec![T::Stat::ZERO; self.channels()];
                 let plain = apply::Epilogue::default();
-                apply::affine(g, isa, sg, &zero, &k1, &zero, plain, grads.x);
+                apply::affine(g, isa, sg, [&zero, &k1, &zero], plain, grads.x);
                 sums
             }
         };
@@ -341,16 +335,8 @@ impl Problem {
                 .collect()
         };
         let (kg, ka) = (first(i.y_backprop), first(i.grad_x_backprop));
-        let sums = second_order::reduce(
-            g,
-            isa,
-            i.y_backprop,
-            i.x,
-            i.grad_x_backprop,
-            &mean,
-            &kg,
-            &ka,
-        );
+        let ins = [i.y_backprop, i.x, i.grad_x_backprop];
+        let sums = second_order::reduce(g, isa, ins, [&mean, &kg, &ka]);
         let u = T::Stat::from_f64;
         let mut k = SecondOrderCoeffs {
             mean: mean.clone(),
@@ -393,16 +379,7 @@ impl Problem {
             k.e3.push(u(e3));
             out.scale[ch] = u(dscale);
         }
-        second_order::apply(
-            g,
-            isa,
-            i.y_backprop,
-            i.x,
-            i.grad_x_backprop,
-            &k,
-            out.y_backprop,
-            out.x,
-        );
+        second_order::apply(g, isa, ins, &k, (out.y_backprop, out.x));
         Ok(())
     }
 

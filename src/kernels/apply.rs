@@ -38,20 +38,16 @@ impl<T> Default for Epilogue<'_, T> {
 }
 
 /// Per-channel affine map of `x` into `y` (both of geometry `g`), then the epilogue:
-/// `y = act((x − shift)·a + b + side)`; `shift`, `a`, `b` have `C` elements.
-#[allow(clippy::too_many_arguments)]
+/// `y = act((x − shift)·a + b + side)`; `k = [shift, a, b]`, `C` elements each.
 pub fn affine<T: Element>(
     g: &Geometry,
     isa: Isa,
     x: &[T],
-    shift: &[T::Stat],
-    a: &[T::Stat],
-    b: &[T::Stat],
+    k: [&[T::Stat]; 3],
     epi: Epilogue<'_, T>,
     y: &mut [T],
 ) {
     debug_assert!(x.len() == g.len() && y.len() == g.len());
-    let k = [shift, a, b];
     match (epi.side, epi.relu) {
         (None, false) => elementwise(g, isa, [x], k, y, Affine),
         (None, true) => elementwise(g, isa, [x], k, y, AffineRelu),

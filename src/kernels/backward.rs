@@ -13,6 +13,25 @@ use super::{
 };
 use crate::element::{Element, Real};
 
+/// The full-size inputs of a backward pass: `dy`, the optional ReLU mask (the forward's
+/// `y`: `dy` counts only where it is positive) and `x`.
+#[derive(Debug)]
+pub struct GradData<'a, T> {
+    /// The upstream gradient.
+    pub dy: &'a [T],
+    /// The forward output of a ReLU, when `dy` is to be masked by it.
+    pub mask: Option<&'a [T]>,
+    /// The forward's input.
+    pub x: &'a [T],
+}
+
+impl<T> Clone for GradData<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GradData<'_, T> {}
+
 /// Per-channel sums of the backward reduction, in `f64`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BackwardSums {
@@ -59,11 +78,10 @@ impl BackwardSums {
 pub fn reduce<T: Element>(
     g: &Geometry,
     isa: Isa,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
+    data: GradData<'_, T>,
     mean: &[T::Stat],
 ) -> BackwardSums {
+    let GradData { dy, mask, x } = data;
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && mean.len() == g.channels);
     if g.channels_last() {
         let c = g.channels;
@@ -108,26 +126,25 @@ pub fn reduce<T: Element>(
 
 /// `(Σdy, Σdy·(x − m))` over channel `c`, outer rows `[o0, o1)`, of a channel-major
 /// tensor, tile by tile.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
     g: &Geometry,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
+    data: GradData<'_, T>,
     m: U,
     c: usize,
-    o0: usize,
-    o1: usize,
+    rows: std::ops::Range<usize>,
 ) -> (f64, f64) {
+    let (dy, mask, x) = (data.dy, data.mask, data.x);
+    let (o0, o1) = (rows.start, rows.end);
     let (mut sdy, mut sdx) = (0f64, 0f64);
     let (m, zero) = (s.splat(m), s.splat(U::ZERO));
     for tile in channel_tiles(g, c, o0, o1) {
         let mut acc = (zero, zero);
         for (i, (d, x)) in tile.pieces(dy).zip(tile.pieces(x)).enumerate() {
             let mk = mask.map(|y| &y[tile.start + i * tile.stride..][..tile.step]);
-            acc = row_sums(s, d, mk, x, m, None, zero, acc);
+            let run = GradData { dy: d, mask: mk, x };
+            acc = row_sums(s, run, m, None, zero, acc);
         }
         sdy += s.sum_f64(acc.0);
         sdx += s.sum_f64(acc.1);
@@ -152,16 +169,18 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
         let t = self.task;
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
+            let data = GradData {
+                dy: self.dy,
+                mask: self.mask,
+                x: self.x,
+            };
             out.push(channel_rows_in(
                 s,
                 self.g,
-                self.dy,
-                self.mask,
-                self.x,
+                data,
                 self.mean[c],
                 c,
-                t.o0,
-                t.o1,
+                t.o0..t.o1,
             ));
         }
         out
@@ -171,20 +190,18 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
 /// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc` (dy masked to
 /// `mask > 0` when given); with `dx`, also writes `dx = dy·k1` (the inference
 /// gradient — or, with `k1 = 1`, the masked dy itself), fused into the same read.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
+    data: GradData<'_, T>,
     m: S::V,
     dx: Option<(&mut [T], bool)>,
     k1: S::V,
     acc: (S::V, S::V),
 ) -> (S::V, S::V) {
+    let (dy, x) = (data.dy, data.x);
     // One instantiation per combination, so the loops test no flag.
-    match (mask, dx) {
+    match (data.mask, dx) {
         (None, None) => sums_run(s, [dy, x], m, acc),
         (Some(y), None) => sums_run(s, [dy, x, y], m, acc),
         (None, Some((out, st))) => sums_out_run(s, [dy, x], m, out, st, k1, acc),
@@ -467,21 +484,17 @@ impl VectorFn<3, 4> for BackwardMaskFn {
 
 /// `dx = (dy − dy_mean[c])·k1[c] + (x − mean[c])·k2[c]`, computed in `U`, rounded once;
 /// with `mask`, dy counts only where `mask > 0`.
-#[allow(clippy::too_many_arguments)]
+///
+/// `k` is `[dy_mean, mean, k1, k2]`, per channel.
 pub fn apply<T: Element>(
     g: &Geometry,
     isa: Isa,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
-    dy_mean: &[T::Stat],
-    mean: &[T::Stat],
-    k1: &[T::Stat],
-    k2: &[T::Stat],
+    data: GradData<'_, T>,
+    k: [&[T::Stat]; 4],
     dx: &mut [T],
 ) {
+    let GradData { dy, mask, x } = data;
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && dx.len() == g.len());
-    let k = [dy_mean, mean, k1, k2];
     match mask {
         None => elementwise(g, isa, [dy, x], k, dx, BackwardFn),
         Some(y) => elementwise(g, isa, [dy, x, y], k, dx, BackwardMaskFn),

@@ -21,7 +21,9 @@ use std::mem::size_of;
 use rayon::prelude::*;
 
 use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
-use super::backward::{self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, PixelSums};
+use super::backward::{
+    self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums,
+};
 use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
@@ -173,8 +175,8 @@ where
         let mut out = Vec::with_capacity(self.rows.len());
         for (i, rows) in self.rows.into_iter().enumerate() {
             let c = self.c0 + i;
-            let (sdy, sdx) =
-                backward::channel_rows_in(s, g, dy, mask, x, self.mean[c], c, 0, g.outer);
+            let data = GradData { dy, mask, x };
+            let (sdy, sdx) = backward::channel_rows_in(s, g, data, self.mean[c], c, 0..g.outer);
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for (o, dx) in rows.into_iter().enumerate() {
@@ -231,7 +233,7 @@ pub fn forward_training<T: Element>(
             .map(|(c, m)| coeffs(c, *m))
             .collect();
         let [shift, a, b] = columns(&k);
-        apply::affine(g, isa, x, &shift, &a, &b, epi, y);
+        apply::affine(g, isa, x, [&shift, &a, &b], epi, y);
         moments
     }
 }
@@ -269,17 +271,15 @@ where
 /// Gradient in training mode: the backward sums, then
 /// `dx = (dy − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`;
 /// with `mask` (the forward `y` of a ReLU) dy counts only where `mask > 0`.
-#[allow(clippy::too_many_arguments)]
 pub fn backward_training<T: Element>(
     g: &Geometry,
     isa: Isa,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
+    data: GradData<'_, T>,
     mean: &[T::Stat],
     dx: &mut [T],
     coeffs: impl Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
 ) -> BackwardSums {
+    let GradData { dy, mask, x } = data;
     let size = size_of::<T>();
     let inputs = if mask.is_some() { 3 } else { 2 };
     if !g.channels_last() && inputs * g.per_channel() * size <= RESIDENT_BYTES {
@@ -289,12 +289,12 @@ pub fn backward_training<T: Element>(
         };
         BackwardSums::from_pairs(&per)
     } else {
-        let sums = backward::reduce(g, isa, dy, mask, x, mean);
+        let sums = backward::reduce(g, isa, data, mean);
         let k: Vec<[T::Stat; 3]> = (0..g.channels)
             .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
             .collect();
         let [dm, k1, k2] = columns(&k);
-        backward::apply(g, isa, dy, mask, x, &dm, mean, &k1, &k2, dx);
+        backward::apply(g, isa, data, [&dm, mean, &k1, &k2], dx);
         sums
     }
 }
@@ -334,17 +334,15 @@ where
 /// Gradient in inference mode: `dx = dy·k1[c]` and the backward sums (with `mean`), in
 /// one read of dy and x; with `mask`, dy counts only where `mask > 0` (and with
 /// `k1 = 1`, `dx` receives the masked dy itself).
-#[allow(clippy::too_many_arguments)]
 pub fn backward_inference<T: Element>(
     g: &Geometry,
     isa: Isa,
-    dy: &[T],
-    mask: Option<&[T]>,
-    x: &[T],
+    data: GradData<'_, T>,
     mean: &[T::Stat],
     k1: &[T::Stat],
     dx: &mut [T],
 ) -> BackwardSums {
+    let GradData { dy, mask, x } = data;
     let c = g.channels;
     if g.channels_last() {
         let stream = g.stream(size_of::<T>());
@@ -443,7 +441,8 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
                     let (d, x) = (&self.dy[off + at..][..len], &self.x[off + at..][..len]);
                     let mk = self.mask.map(|y| &y[off + at..][..len]);
                     let (out, rest) = std::mem::take(&mut dx).split_at_mut(len);
-                    acc = row_sums(s, d, mk, x, m, Some((out, self.stream)), k1, acc);
+                    let run = GradData { dy: d, mask: mk, x };
+                    acc = row_sums(s, run, m, Some((out, self.stream)), k1, acc);
                     dx = rest;
                     (at, pending) = (at + len, pending + len);
                     if pending >= TILE {

@@ -63,20 +63,15 @@ fn accumulate<U: Real, S: Simd<U>>(
     acc[5] = s.add(acc[5], xc);
 }
 
-/// The six sums per channel of `g`, `x`, `a` (all of geometry `geo`), around `mean`
-/// for x and the shifts `kg`, `ka` for g and A.
-#[allow(clippy::too_many_arguments)]
+/// The six sums per channel of `ins = [g, x, a]` (all of geometry `geo`), around
+/// `shifts = [mean, kg, ka]`: `mean` for x and the shifts `kg`, `ka` for g and A.
 pub fn reduce<T: Element>(
     geo: &Geometry,
     isa: Isa,
-    g: &[T],
-    x: &[T],
-    a: &[T],
-    mean: &[T::Stat],
-    kg: &[T::Stat],
-    ka: &[T::Stat],
+    ins: [&[T]; 3],
+    shifts: [&[T::Stat]; 3],
 ) -> SecondOrderSums {
-    let shifts = [mean, kg, ka];
+    let [g, x, a] = ins;
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
         let ppt = pixels_per_reduce_task(c);
@@ -288,18 +283,15 @@ fn eval<U: Real, S: Simd<U>>(s: S, g: S::V, x: S::V, a: S::V, k: &[S::V; 8]) -> 
     (dg, dx)
 }
 
-/// Writes `d_g` and `d_x` (see the module docs) from `g`, `x`, `a`.
-#[allow(clippy::too_many_arguments)]
+/// Writes `outs = (d_g, d_x)` (see the module docs) from `ins = [g, x, a]`.
 pub fn apply<T: Element>(
     geo: &Geometry,
     isa: Isa,
-    g: &[T],
-    x: &[T],
-    a: &[T],
+    ins: [&[T]; 3],
     k: &SecondOrderCoeffs<T::Stat>,
-    d_g: &mut [T],
-    d_x: &mut [T],
+    outs: (&mut [T], &mut [T]),
 ) {
+    let ([g, x, a], (d_g, d_x)) = (ins, outs);
     let row_len = geo.row_len();
     let rows = (TASK / row_len.max(1)).max(1);
     let chunk = (rows * row_len).max(1);

@@ -306,7 +306,7 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
             // One pass around the pivots; a channel whose tile mean lies more than one
             // std from its pivot (drift, NaN, Inf) is redone exactly on its own, so no
             // channel's data changes another channel's result.
-            deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, sum1, sum2);
+            deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, (sum1, sum2));
             for ch in 0..c {
                 let (a, b) = (sum1[ch].to_f64(), sum2[ch].to_f64());
                 if well_shifted(n, a, b) {
@@ -369,7 +369,6 @@ fn accumulate<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, px: &[T], a: &mut
 
 /// Per channel of a channels-last tile: `Σ(x − pivot)` into `sum1`, `Σ(x − pivot)²`
 /// into `sum2` (lanes past C have pivot 0 and load as 0, so they add 0).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
@@ -378,8 +377,7 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     sets: usize,
     pivot: &[S::V],
     acc: &mut [S::V],
-    sum1: &mut [U],
-    sum2: &mut [U],
+    (sum1, sum2): (&mut [U], &mut [U]),
 ) {
     let (l, groups) = (S::LANES, pivot.len());
     let (full, zero) = (c / l, s.splat(U::ZERO));
