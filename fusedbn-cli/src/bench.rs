@@ -102,8 +102,10 @@ pub struct BenchArgs {
     )]
     pub dtypes: Vec<BenchDtype>,
 
-    /// Logical shape N,H,W,C (or N,D,H,W,C), laid out per format; replaces the built-in
-    /// list (repeatable). A 4-number shape runs in 5-D formats with D = 1.
+    /// The problem as its channels-last tensor shape N,H,W,C (or N,D,H,W,C): exactly the
+    /// shape x has in NHWC (NDHWC), and the same problem transposed for the
+    /// channel-major formats; replaces the built-in list (repeatable). A 4-number shape
+    /// runs in 5-D formats with D = 1.
     #[arg(long = "shape", value_name = "N,H,W,C", value_parser = parse_shape)]
     pub shapes: Vec<LogicalShape>,
 
