@@ -154,7 +154,9 @@ fn read_file(path: &Path) -> Result<Tensor, NpyError> {
     let mut prefix = Vec::with_capacity(12);
     (&mut file).take(12).read_to_end(&mut prefix).map_err(io)?;
     let (start, header_len) = parse_prefix(&prefix)?;
-    // The prefix read may already hold the first bytes of the header.
+    // The 12-byte prefix read may already hold the first bytes of the header. A
+    // version-1 header shorter than those 2 bytes cannot be a valid dict (parse_header
+    // refuses it), so bytes read past the header are never needed as data.
     let mut text = prefix.get(start..).unwrap_or_default().to_vec();
     let rest = header_len.saturating_sub(text.len());
     (&mut file)
@@ -566,7 +568,8 @@ impl Header {
             })
             .collect();
         if self.fortran {
-            // Same element count by construction; fall back to the raw order never.
+            // `v` has exactly the shape's element count (checked in `decode`), so
+            // `fortran_to_c` cannot return `None` here.
             fortran_to_c(&v, &self.shape).unwrap_or(v)
         } else {
             v

@@ -22,8 +22,8 @@ fn text(b: &[u8]) -> String {
 
 /// Every entry under `dir` (recursively): its relative path and its contents (`None`
 /// for a directory). A missing `dir` is an empty snapshot.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
-    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Option<Vec<u8>>>) {
+fn snapshot(dir: &Path) -> Snapshot {
+    fn walk(root: &Path, dir: &Path, out: &mut Snapshot) {
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
         };
