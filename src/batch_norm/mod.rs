@@ -500,23 +500,33 @@ impl Problem {
         &self.geometry
     }
 
-    fn check_len(&self, arg: &str, len: usize, want: usize, what: &str) -> Result<()> {
+    /// `Ok` when `len == want`; the message (`what` formats the expectation) is built
+    /// only on failure, so a call on a small tensor pays no allocation for it.
+    fn check_len(
+        &self,
+        arg: &str,
+        len: usize,
+        want: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
         if len == want {
             Ok(())
         } else {
             Err(Error::arg(
                 arg,
-                format!("{want} elements ({what})"),
+                format!("{want} elements ({})", what()),
                 format!("{len} elements"),
             ))
         }
     }
 
     pub(crate) fn check_x(&self, arg: &str, len: usize) -> Result<()> {
-        self.check_len(arg, len, self.len(), &format!("shape {:?}", self.shape()))
+        self.check_len(arg, len, self.len(), || format!("shape {:?}", self.shape()))
     }
 
     pub(crate) fn check_c(&self, arg: &str, len: usize) -> Result<()> {
-        self.check_len(arg, len, self.channels(), "the channel count of x")
+        self.check_len(arg, len, self.channels(), || {
+            "the channel count of x".into()
+        })
     }
 }

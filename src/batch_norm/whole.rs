@@ -338,10 +338,7 @@ impl Problem {
         let ins = [i.y_backprop, i.x, i.grad_x_backprop];
         let sums = second_order::reduce(g, isa, ins, [&mean, &kg, &ka]);
         let u = T::Stat::from_f64;
-        let mut k = SecondOrderCoeffs {
-            mean: mean.clone(),
-            ..Default::default()
-        };
+        let mut k = Vec::with_capacity(c);
         for ch in 0..c {
             let r = 1.0 / (var[ch] + eps).sqrt();
             let (sc, ga, go) = (
@@ -350,14 +347,14 @@ impl Problem {
                 i.grad_offset_backprop[ch],
             );
             let (kg, ka) = (kg[ch].to_f64(), ka[ch].to_f64());
-            let (gbar, abar) = (kg + sums.g[ch] / m, ka + sums.a[ch] / m);
-            let g_xc = sums.g_xc[ch] + kg * sums.xc[ch]; // Σg·(x − μ)
-            let a_xc = sums.a_xc[ch] + ka * sums.xc[ch]; // ΣA·(x − μ)
+            let (gbar, abar) = (kg + sums[ch].g / m, ka + sums[ch].a / m);
+            let g_xc = sums[ch].g_xc + kg * sums[ch].xc; // Σg·(x − μ)
+            let a_xc = sums[ch].a_xc + ka * sums[ch].xc; // ΣA·(x − μ)
             let (c2, e2, e3, g_mean, a_mean, dscale);
             if is_training {
                 let s2 = r * g_xc / m; // mean(g·x̂)
                 let t = r * a_xc / m; // mean(A·x̂)
-                let mk = sums.a_g[ch] - sums.a[ch] * sums.g[ch] / m; // Σ(A − Ā)(g − ḡ)
+                let mk = sums[ch].a_g - sums[ch].a * sums[ch].g / m; // Σ(A − Ā)(g − ḡ)
                 let kk = mk / m;
                 c2 = ga * r - sc * r * r * t;
                 e2 = -sc * r * r * s2;
@@ -367,16 +364,19 @@ impl Problem {
             } else {
                 c2 = ga * r;
                 (e2, e3) = (0.0, 0.0);
-                dscale = r * sums.a_g[ch];
+                dscale = r * sums[ch].a_g;
                 (g_mean, a_mean) = (0.0, 0.0);
             }
-            k.a_mean.push(u(a_mean));
-            k.g_mean.push(u(g_mean));
-            k.c1.push(u(sc * r));
-            k.c2.push(u(c2));
-            k.b.push(go);
-            k.e2.push(u(e2));
-            k.e3.push(u(e3));
+            k.push(SecondOrderCoeffs {
+                mean: mean[ch],
+                a_mean: u(a_mean),
+                g_mean: u(g_mean),
+                c1: u(sc * r),
+                c2: u(c2),
+                b: go,
+                e2: u(e2),
+                e3: u(e3),
+            });
             out.scale[ch] = u(dscale);
         }
         second_order::apply(g, isa, ins, &k, (out.y_backprop, out.x));

@@ -13,32 +13,43 @@
 
 use rayon::prelude::*;
 
-use super::simd::{load_len, splat_n, store_len, Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
     channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
     ChannelMajorSplit, ChannelTask, Geometry, TASK,
 };
 use crate::element::{Element, Real};
 
-/// Per-channel sums of the second-order reduction, in `f64`, with `g' = g − kg`,
+/// One channel's sums of the second-order reduction, in `f64`, with `g' = g − kg`,
 /// `A' = A − ka` (the shifts given to [`reduce`]).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SecondOrderSums {
     /// `Σg'`.
-    pub g: Vec<f64>,
+    pub g: f64,
     /// `ΣA'`.
-    pub a: Vec<f64>,
+    pub a: f64,
     /// `Σg'·(x − μ)`.
-    pub g_xc: Vec<f64>,
+    pub g_xc: f64,
     /// `ΣA'·(x − μ)`.
-    pub a_xc: Vec<f64>,
+    pub a_xc: f64,
     /// `ΣA'·g'`.
-    pub a_g: Vec<f64>,
+    pub a_g: f64,
     /// `Σ(x − μ)`.
-    pub xc: Vec<f64>,
+    pub xc: f64,
 }
 
 type Six = [f64; 6];
+
+/// `v[i][at..at + len]` for each of the three inputs (spelled out: `[T; N]::map` with a
+/// closure is not always inlined into the kernels' target-feature code).
+#[inline(always)]
+fn window<T>(v: [&[T]; 3], at: usize, len: usize) -> [&[T]; 3] {
+    [
+        &v[0][at..at + len],
+        &v[1][at..at + len],
+        &v[2][at..at + len],
+    ]
+}
 
 /// The per-channel shifts `[μ, kg, ka]` as vectors.
 type Shifts<V> = [V; 3];
@@ -70,7 +81,7 @@ pub fn reduce<T: Element>(
     isa: Isa,
     ins: [&[T]; 3],
     shifts: [&[T::Stat]; 3],
-) -> SecondOrderSums {
+) -> Vec<SecondOrderSums> {
     let [g, x, a] = ins;
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
@@ -106,15 +117,16 @@ pub fn reduce<T: Element>(
             std::array::from_fn(|k| p[k] + q[k])
         })
     };
-    let col = |k: usize| per.iter().map(|v| v[k]).collect();
-    SecondOrderSums {
-        g: col(0),
-        a: col(1),
-        g_xc: col(2),
-        a_xc: col(3),
-        a_g: col(4),
-        xc: col(5),
-    }
+    per.into_iter()
+        .map(|[g, a, g_xc, a_xc, a_g, xc]| SecondOrderSums {
+            g,
+            a,
+            g_xc,
+            a_xc,
+            a_g,
+            xc,
+        })
+        .collect()
 }
 
 struct TaskSums<'a, T: Element> {
@@ -124,48 +136,38 @@ struct TaskSums<'a, T: Element> {
     task: ChannelTask,
 }
 
+/// The most lanes of any ISA (AVX-512, f32): the stack room for a partial vector's
+/// shifts.
+const MAX_LANES: usize = 16;
+
 impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     type Output = Vec<Six>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
-        let (t, l) = (self.task, S::LANES);
+        let t = self.task;
         let zero = s.splat(T::Stat::ZERO);
         let mut out = Vec::with_capacity(t.c1 - t.c0);
-        let mut repeated = vec![T::Stat::ZERO; 3 * l];
         for c in t.c0..t.c1 {
-            for (j, sh) in self.shifts.iter().enumerate() {
-                repeated[j * l..(j + 1) * l].fill(sh[c]);
-            }
-            let full = [
-                s.load(&repeated[..]),
-                s.load(&repeated[l..]),
-                s.load(&repeated[2 * l..]),
-            ];
+            let sh = self.shifts.map(|v| v[c]);
+            let full = splat_n(s, sh);
+            // A partial vector's shifts are loaded partially too (missing lanes 0 − 0).
+            let rep = sh.map(|v| [v; MAX_LANES]);
             let mut total = [0f64; 6];
             for tile in channel_tiles(self.geo, c, t.o0, t.o1) {
                 let mut acc = [zero; 6];
                 for i in 0..tile.count {
                     let off = tile.start + i * tile.stride;
-                    let [g, x, a] = self.ins.map(|v| &v[off..][..tile.step]);
-                    let mut j = 0;
-                    while j < tile.step {
-                        let len = l.min(tile.step - j);
-                        let (gv, xv, av) = (
-                            load_len(s, g, j, len),
-                            load_len(s, x, j, len),
-                            load_len(s, a, j, len),
-                        );
-                        let k = if len == l {
-                            full
-                        } else {
-                            [
-                                s.load_partial(&repeated[..len]),
-                                s.load_partial(&repeated[l..l + len]),
-                                s.load_partial(&repeated[2 * l..2 * l + len]),
-                            ]
-                        };
-                        accumulate(s, gv, xv, av, &k, &mut acc);
-                        j += len;
+                    let ins = window(self.ins, off, tile.step);
+                    let r = Reads::new(S::LANES, ins, tile.step);
+                    for j in 0..r.vectors() {
+                        let [g, x, a] = r.load(s, j);
+                        accumulate(s, g, x, a, &full, &mut acc);
+                    }
+                    let (at, n) = r.tail();
+                    if n > 0 {
+                        let [g, x, a] = load_partial_n(s, &ins, at, n);
+                        let k = load_partial_n(s, &[&rep[0][..], &rep[1][..], &rep[2][..]], 0, n);
+                        accumulate(s, g, x, a, &k, &mut acc);
                     }
                 }
                 for k in 0..6 {
@@ -188,39 +190,40 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
         let (l, c) = (S::LANES, self.shifts[0].len());
+        let (whole, rest) = (c / l, c % l);
         let groups = c.div_ceil(l);
         let zero = s.splat(T::Stat::ZERO);
-        // Shifts padded with 0 past C, so partial groups shift their missing lanes by 0.
+        // Shifts padded with 0 past C, so the partial group shifts its missing lanes by 0.
         let padded = self.shifts.map(|v| {
             let mut p = v.to_vec();
             p.resize(groups * l, T::Stat::ZERO);
             p
         });
+        let shifts: Vec<[S::V; 3]> = (0..groups)
+            .map(|gi| padded.each_ref().map(|p| s.load(&p[gi * l..])))
+            .collect();
         let mut acc = vec![[zero; 6]; groups];
         let mut lanes = vec![T::Stat::ZERO; groups * l];
         let mut out = vec![[0f64; 6]; c];
         let tile = pixels_per_tile(c) * c;
-        let [g, x, a] = self.ins;
+        let len = self.ins[0].len();
         let mut start = 0;
-        while start < g.len() {
-            let end = (start + tile).min(g.len());
+        while start < len {
+            let end = (start + tile).min(len);
             acc.fill([zero; 6]);
             let mut p = start;
             while p < end {
-                for (gi, ac) in acc.iter_mut().enumerate() {
-                    let (at, len) = (p + gi * l, l.min(c - gi * l));
-                    let (gv, xv, av) = (
-                        load_len(s, g, at, len),
-                        load_len(s, x, at, len),
-                        load_len(s, a, at, len),
-                    );
-                    let at = gi * l;
-                    let k = [
-                        s.load(&padded[0][at..]),
-                        s.load(&padded[1][at..]),
-                        s.load(&padded[2][at..]),
-                    ];
-                    accumulate(s, gv, xv, av, &k, ac);
+                // One pixel: its whole vectors with the bounds proved once, then the
+                // partial group.
+                let ins = window(self.ins, p, c);
+                let r = Reads::new(l, ins, c);
+                for ((ac, k), j) in acc.iter_mut().zip(&shifts).zip(0..whole) {
+                    let [g, x, a] = r.load(s, j);
+                    accumulate(s, g, x, a, k, ac);
+                }
+                if rest > 0 {
+                    let [g, x, a] = load_partial_n(s, &ins, whole * l, rest);
+                    accumulate(s, g, x, a, &shifts[whole], &mut acc[whole]);
                 }
                 p += c;
             }
@@ -238,38 +241,39 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
     }
 }
 
-/// Per-channel constants of the elementwise pass.
-#[derive(Clone, Debug, Default)]
+/// One channel's constants of the elementwise pass.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SecondOrderCoeffs<U> {
     /// μ.
-    pub mean: Vec<U>,
+    pub mean: U,
     /// Ā.
-    pub a_mean: Vec<U>,
+    pub a_mean: U,
     /// ḡ.
-    pub g_mean: Vec<U>,
+    pub g_mean: U,
     /// Coefficient of `A − Ā` in `d_g`.
-    pub c1: Vec<U>,
+    pub c1: U,
     /// Coefficient of `x − μ` in `d_g` and of `g − ḡ` in `d_x`.
-    pub c2: Vec<U>,
+    pub c2: U,
     /// The constant term of `d_g` (the upstream `offset_backprop` gradient).
-    pub b: Vec<U>,
+    pub b: U,
     /// Coefficient of `A − Ā` in `d_x`.
-    pub e2: Vec<U>,
+    pub e2: U,
     /// Coefficient of `x − μ` in `d_x`.
-    pub e3: Vec<U>,
+    pub e3: U,
 }
 
 impl<U: Copy> SecondOrderCoeffs<U> {
-    fn at(&self, c: usize) -> [U; 8] {
+    /// In the order [`eval`] takes them.
+    fn array(&self) -> [U; 8] {
         [
-            self.mean[c],
-            self.a_mean[c],
-            self.g_mean[c],
-            self.c1[c],
-            self.c2[c],
-            self.b[c],
-            self.e2[c],
-            self.e3[c],
+            self.mean,
+            self.a_mean,
+            self.g_mean,
+            self.c1,
+            self.c2,
+            self.b,
+            self.e2,
+            self.e3,
         ]
     }
 }
@@ -288,7 +292,7 @@ pub fn apply<T: Element>(
     geo: &Geometry,
     isa: Isa,
     ins: [&[T]; 3],
-    k: &SecondOrderCoeffs<T::Stat>,
+    k: &[SecondOrderCoeffs<T::Stat>],
     outs: (&mut [T], &mut [T]),
 ) {
     let ([g, x, a], (d_g, d_x)) = (ins, outs);
@@ -327,7 +331,7 @@ struct Apply<'a, T: Element> {
     geo: &'a Geometry,
     row0: usize,
     ins: [&'a [T]; 3],
-    k: &'a SecondOrderCoeffs<T::Stat>,
+    k: &'a [SecondOrderCoeffs<T::Stat>],
     dg: &'a mut [T],
     dx: &'a mut [T],
 }
@@ -337,57 +341,73 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) {
         let (geo, l) = (self.geo, S::LANES);
-        let [g, x, a] = self.ins;
-        let row_len = geo.row_len();
+        let (dg, dx) = (self.dg, self.dx);
         if geo.channels_last() {
-            // Per-channel constants padded to whole vectors, one set per channel group.
+            // Per-channel constants padded to whole vectors, one set per channel group;
+            // each pixel: its whole vectors with the bounds proved once, then the
+            // partial group.
             let c = geo.channels;
+            let (whole, rest) = (c / l, c % l);
             let groups = c.div_ceil(l);
             let mut padded = vec![T::Stat::ZERO; 8 * groups * l];
             for ch in 0..c {
-                for (j, v) in self.k.at(ch).into_iter().enumerate() {
+                for (j, v) in self.k[ch].array().into_iter().enumerate() {
                     padded[j * groups * l + ch] = v;
                 }
             }
-            let mut consts = Vec::with_capacity(groups);
-            for gi in 0..groups {
-                let mut kv = [s.splat(T::Stat::ZERO); 8];
-                for (j, v) in kv.iter_mut().enumerate() {
-                    *v = s.load(&padded[j * groups * l + gi * l..]);
+            let consts: Vec<[S::V; 8]> = (0..groups)
+                .map(|gi| std::array::from_fn(|j| s.load(&padded[j * groups * l + gi * l..])))
+                .collect();
+            let pixels = dg.len() / c.max(1);
+            for (p, (dg, dx)) in dg
+                .chunks_exact_mut(c)
+                .zip(dx.chunks_exact_mut(c))
+                .enumerate()
+            {
+                let ins = window(self.ins, p * c, c);
+                let r = Reads::new(l, ins, c);
+                let (dgt, dxt) = {
+                    let (dgw, dgt) = dg.split_at_mut(whole * l);
+                    let (dxw, dxt) = dx.split_at_mut(whole * l);
+                    let mut w = Writes::new(l, [dgw, dxw], whole * l);
+                    for (k, j) in consts.iter().zip(0..whole) {
+                        let [g, x, a] = r.load(s, j);
+                        let (vg, vx) = eval(s, g, x, a, k);
+                        w.store(s, 0, j, vg);
+                        w.store(s, 1, j, vx);
+                    }
+                    (dgt, dxt)
+                };
+                if rest > 0 {
+                    let [g, x, a] = load_partial_n(s, &ins, whole * l, rest);
+                    let (vg, vx) = eval(s, g, x, a, &consts[whole]);
+                    s.store_partial(dgt, vg);
+                    s.store_partial(dxt, vx);
                 }
-                consts.push(kv);
             }
-            let mut p = 0;
-            while p < self.dg.len() {
-                for (gi, kv) in consts.iter().enumerate() {
-                    let (at, len) = (p + gi * l, l.min(c - gi * l));
-                    let (gv, xv, av) = (
-                        load_len(s, g, at, len),
-                        load_len(s, x, at, len),
-                        load_len(s, a, at, len),
-                    );
-                    let (dg, dx) = eval(s, gv, xv, av, kv);
-                    store_len(s, self.dg, at, len, dg);
-                    store_len(s, self.dx, at, len, dx);
-                }
-                p += c;
-            }
+            debug_assert_eq!(pixels * c, dg.len());
         } else {
-            for r in 0..self.dg.len() / row_len {
-                let kv = splat_n(s, self.k.at((self.row0 + r) % geo.channels));
-                let mut j = r * row_len;
-                let end = j + row_len;
-                while j < end {
-                    let len = l.min(end - j);
-                    let (gv, xv, av) = (
-                        load_len(s, g, j, len),
-                        load_len(s, x, j, len),
-                        load_len(s, a, j, len),
-                    );
-                    let (dg, dx) = eval(s, gv, xv, av, &kv);
-                    store_len(s, self.dg, j, len, dg);
-                    store_len(s, self.dx, j, len, dx);
-                    j += len;
+            let n = geo.inner;
+            let rows = dg.chunks_exact_mut(n).zip(dx.chunks_exact_mut(n));
+            for (r, (dg, dx)) in rows.enumerate() {
+                let kv = splat_n(s, self.k[(self.row0 + r) % geo.channels].array());
+                let ins = window(self.ins, r * n, n);
+                let rd = Reads::new(l, ins, n);
+                let (at, m) = rd.tail();
+                let (dgw, dgt) = dg.split_at_mut(at);
+                let (dxw, dxt) = dx.split_at_mut(at);
+                let mut w = Writes::new(l, [dgw, dxw], at);
+                for j in 0..rd.vectors() {
+                    let [g, x, a] = rd.load(s, j);
+                    let (vg, vx) = eval(s, g, x, a, &kv);
+                    w.store(s, 0, j, vg);
+                    w.store(s, 1, j, vx);
+                }
+                if m > 0 {
+                    let [g, x, a] = load_partial_n(s, &ins, at, m);
+                    let (vg, vx) = eval(s, g, x, a, &kv);
+                    s.store_partial(dgt, vg);
+                    s.store_partial(dxt, vx);
                 }
             }
         }

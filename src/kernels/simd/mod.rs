@@ -289,38 +289,6 @@ pub(crate) fn load_partial_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N:
     out
 }
 
-/// `len` elements of `v` from `at`: a full vector when `len == LANES`, else partial.
-#[inline(always)]
-pub(crate) fn load_len<U, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    v: &[T],
-    at: usize,
-    len: usize,
-) -> S::V {
-    if len == S::LANES {
-        s.load(&v[at..])
-    } else {
-        s.load_partial(&v[at..at + len])
-    }
-}
-
-/// Stores the first `len` lanes of `v` at `out[at..]`: a full store when
-/// `len == LANES`, else partial.
-#[inline(always)]
-pub(crate) fn store_len<U, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    out: &mut [T],
-    at: usize,
-    len: usize,
-    v: S::V,
-) {
-    if len == S::LANES {
-        s.store(&mut out[at..], v)
-    } else {
-        s.store_partial(&mut out[at..at + len], v)
-    }
-}
-
 /// `N` inputs of (at least) one length, read one whole vector at a time with the bounds
 /// proved once, in [`Reads::new`] — the split-once style of the hot loops: a loop
 /// `for j in 0..r.vectors()` carries no per-load check and no pointer reloads. What is
@@ -452,6 +420,43 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     #[inline(always)]
     pub fn tail(&self) -> (usize, usize) {
         self.reads.tail()
+    }
+}
+
+/// `M` outputs of one length, written one whole vector at a time with the bounds proved
+/// once, in [`Writes::new`] (the output side of [`Walk`], for passes that write more
+/// than one tensor per element, such as the second-order gradient).
+pub(crate) struct Writes<'a, T, const M: usize> {
+    outs: [*mut T; M],
+    vectors: usize,
+    lanes: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
+    /// The first `len` elements of each output (each at least that long), in vectors of
+    /// `lanes`.
+    #[inline(always)]
+    pub fn new(lanes: usize, outs: [&'a mut [T]; M], len: usize) -> Self {
+        for o in &outs {
+            assert!(o.len() >= len, "an output shorter than the run");
+        }
+        Writes {
+            outs: outs.map(|o| o.as_mut_ptr()),
+            vectors: len / lanes.max(1),
+            lanes,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Writes vector `j` of output `i`.
+    #[inline(always)]
+    pub fn store<S: Simd<T::Stat>>(&mut self, s: S, i: usize, j: usize, v: S::V) {
+        assert!(j < self.vectors && S::LANES == self.lanes);
+        // SAFETY: `(j + 1)·lanes <= len` and every output holds at least `len` elements
+        // (checked in `new`); the outputs are borrowed mutably for the life of `self`,
+        // and `self.outs[i]` panics for `i >= M` before any write.
+        unsafe { s.store_ptr(self.outs[i].add(j * self.lanes), v) }
     }
 }
 
