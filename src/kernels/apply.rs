@@ -307,10 +307,26 @@ impl<U: Real, const K: usize> Pattern<U, K> {
             period,
             head,
             // One vector of lanes past the period lets a tail read a whole vector.
-            values: consts.map(|k| (0..period + lanes).map(|j| k[(head + j) % c]).collect()),
-            head_values: consts.map(|k| (0..head).map(|j| k[j % c]).collect()),
+            values: consts.map(|k| cycle(&k[..c], head, period + lanes)),
+            head_values: consts.map(|k| cycle(&k[..c], 0, head)),
         }
     }
+}
+
+/// `len` elements of `k` repeated cyclically from index `start`: whole slices copied,
+/// no division per element (this runs once per task, and dominated small tensors).
+fn cycle<U: Copy>(k: &[U], start: usize, len: usize) -> Vec<U> {
+    let mut out = Vec::with_capacity(len);
+    if k.is_empty() {
+        return out;
+    }
+    let mut i = start % k.len();
+    while out.len() < len {
+        let take = (k.len() - i).min(len - out.len());
+        out.extend_from_slice(&k[i..i + take]);
+        i = 0;
+    }
+    out
 }
 
 /// A run of whole pixels with constants from `pattern`: the pattern's period is a whole
