@@ -87,6 +87,9 @@ fn shards(size: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// A step's summed loss and the dense layers' gradients.
+type StepResult = (f64, Vec<f32>, Vec<f32>);
+
 /// The model: two dense layers around a batch norm.
 #[derive(Clone)]
 struct Model {
@@ -116,7 +119,7 @@ impl Model {
         x: &[f32],
         t: &[f32],
         global_n: usize,
-    ) -> Result<(f64, Vec<f32>, Vec<f32>), Box<dyn Error>> {
+    ) -> Result<StepResult, Box<dyn Error>> {
         let n = t.len();
         let mut h = vec![0.0f32; n * HIDDEN];
         for i in 0..n {
