@@ -79,6 +79,14 @@ pub enum Error {
         /// The shape.
         shape: Vec<usize>,
     },
+    /// A synchronized call across ranks failed on this rank because of another rank
+    /// (its inputs were rejected, or the ranks disagree on the problem), or the
+    /// transport failed ([`crate::sync`]).
+    #[error("synchronized batch norm: {reason}")]
+    Collective {
+        /// What went wrong, naming the ranks.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -62,6 +62,7 @@ use crate::batch_norm::{
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::format::DataFormat;
+use crate::sync::Collective;
 use crate::tensor::DType;
 
 /// Keras' default momentum of the moving statistics.
@@ -155,6 +156,71 @@ pub struct LayerGradients<T> {
     pub gamma: Option<Vec<f32>>,
     /// The gradient with respect to `beta`; `None` when the layer has center off.
     pub beta: Option<Vec<f32>>,
+}
+
+/// A [`BatchNorm`] in synchronized mode ([`BatchNorm::synchronized`]): the layer and
+/// the collective its training calls synchronize over.
+pub struct Synchronized<'a> {
+    layer: &'a mut BatchNorm,
+    comm: &'a dyn Collective,
+}
+
+impl fmt::Debug for Synchronized<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Synchronized")
+            .field("layer", &self.layer)
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .finish()
+    }
+}
+
+impl Synchronized<'_> {
+    /// [`BatchNorm::forward`] with the statistics of the whole batch in training (one
+    /// agreement check and one all-gather of `3·C` values); inference is local.
+    pub fn forward<T: Element<Stat = f32>>(
+        &mut self,
+        x: &[T],
+        shape: &[usize],
+        training: bool,
+    ) -> Result<Vec<T>> {
+        let mut y = vec![T::default(); x.len()];
+        self.forward_into(x, shape, training, &mut y)?;
+        Ok(y)
+    }
+
+    /// [`forward`](Synchronized::forward) into a buffer the caller owns.
+    pub fn forward_into<T: Element<Stat = f32>>(
+        &mut self,
+        x: &[T],
+        shape: &[usize],
+        training: bool,
+        y: &mut [T],
+    ) -> Result<()> {
+        let comm = training.then_some(self.comm);
+        self.layer.forward_with(comm, x, shape, training, y)
+    }
+
+    /// [`BatchNorm::backward`] after a synchronized training forward: this shard's `dx`
+    /// and the global gradients of `gamma` and `beta` (one agreement check and one
+    /// all-reduce of `2·C + 1` values). After an inference forward, local.
+    pub fn backward<T: Element<Stat = f32>>(
+        &self,
+        forward: Forwarded<'_, T>,
+        dy: &[T],
+    ) -> Result<LayerGradients<T>> {
+        self.layer.backward_with(Some(self.comm), forward, dy)
+    }
+
+    /// The layer.
+    pub fn layer(&self) -> &BatchNorm {
+        self.layer
+    }
+
+    /// The layer, to change (an optimizer step with the global gradients).
+    pub fn layer_mut(&mut self) -> &mut BatchNorm {
+        self.layer
+    }
 }
 
 impl fmt::Debug for BatchNorm {
@@ -441,6 +507,55 @@ impl BatchNorm {
         training: bool,
         y: &mut [T],
     ) -> Result<()> {
+        self.forward_with(None, x, shape, training, y)
+    }
+
+    /// This layer in synchronized mode over `comm` (data-parallel training with the
+    /// batch split across ranks, [`crate::sync`]): while the returned view lives, its
+    /// training [`forward`](Synchronized::forward) normalizes this rank's shard with the
+    /// statistics of the **whole** batch and updates the moving statistics with them
+    /// (and the global count) — bit-identical on every rank — and its
+    /// [`backward`](Synchronized::backward) returns this shard's `dx` and the **global**
+    /// gradients of `gamma` and `beta` (the same on every rank; no further all-reduce of
+    /// them is needed). Inference runs locally, with no communication.
+    ///
+    /// Every rank must make the same calls in the same order; the ranks' shards may
+    /// have different N, and may be empty (an empty rank still takes part; the moving
+    /// statistics change unless the whole batch is empty).
+    ///
+    /// ```
+    /// use fusedbn::{DataFormat, layer::{BatchNorm, Forwarded}, sync::ThreadGroup};
+    /// let shards = [vec![1.0f32, 2.0, 3.0], vec![10.0]];
+    /// let layers: Vec<BatchNorm> = std::thread::scope(|s| {
+    ///     let handles: Vec<_> = ThreadGroup::new(2).into_iter().zip(&shards).map(|(comm, x)| {
+    ///         s.spawn(move || {
+    ///             let mut bn = BatchNorm::new(DataFormat::Nhwc, 1).with_momentum(0.0);
+    ///             let mut sync = bn.synchronized(&comm);
+    ///             let y = sync.forward(x, &[x.len(), 1], true)?;
+    ///             let g = sync.backward(Forwarded { x, y: &y }, &vec![1.0f32; x.len()])?;
+    ///             assert_eq!(g.beta, Some(vec![4.0])); // Σdy over both shards
+    ///             Ok::<_, fusedbn::Error>(bn)
+    ///         })
+    ///     }).collect();
+    ///     handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<_, _>>()
+    /// })?;
+    /// // The mean of all four values, on both ranks.
+    /// assert_eq!(layers[0].moving_mean(), &[4.0]);
+    /// assert_eq!(layers[1].moving_mean(), &[4.0]);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn synchronized<'a>(&'a mut self, comm: &'a dyn Collective) -> Synchronized<'a> {
+        Synchronized { layer: self, comm }
+    }
+
+    fn forward_with<T: Element<Stat = f32>>(
+        &mut self,
+        comm: Option<&dyn Collective>,
+        x: &[T],
+        shape: &[usize],
+        training: bool,
+        y: &mut [T],
+    ) -> Result<()> {
         self.cache = None;
         let problem = self.problem(shape)?;
         let c = self.channels;
@@ -456,19 +571,40 @@ impl BatchNorm {
                 mean: &mut mean,
                 variance: &mut variance,
             };
-            // The op validates every length before it writes anything, so the moving
-            // statistics change only when the call succeeds.
-            let running = (!problem.is_empty()).then(|| RunningStats {
-                mean: &mut self.moving_mean,
-                variance: &mut self.moving_variance,
-                factor: (1.0 - self.momentum) as f32,
-            });
             let affine = Affine {
                 scale: &gamma,
                 offset: &beta,
             };
-            let mode = Forward::Training(TrainingStats { saved, running });
-            problem.forward(x, affine, mode, epilogue, y)?;
+            let factor = (1.0 - self.momentum) as f32;
+            match comm {
+                None => {
+                    // The op validates every length before it writes anything, so the
+                    // moving statistics change only when the call succeeds.
+                    let running = (!problem.is_empty()).then(|| RunningStats {
+                        mean: &mut self.moving_mean,
+                        variance: &mut self.moving_variance,
+                        factor,
+                    });
+                    let mode = Forward::Training(TrainingStats { saved, running });
+                    problem.forward(x, affine, mode, epilogue, y)?;
+                }
+                Some(comm) => {
+                    // The moving statistics move unless the whole batch is empty
+                    // (known only after the collective): updated in copies.
+                    let (mut mm, mut mv) = (self.moving_mean.clone(), self.moving_variance.clone());
+                    let running = Some(RunningStats {
+                        mean: &mut mm,
+                        variance: &mut mv,
+                        factor,
+                    });
+                    let stats = TrainingStats { saved, running };
+                    let global = problem.forward_sync_as(comm, 0, x, affine, stats, epilogue, y)?;
+                    if global.iter().any(|m| m.count > 0.0) {
+                        self.moving_mean = mm;
+                        self.moving_variance = mv;
+                    }
+                }
+            }
             (mean, variance)
         } else {
             let (mean, variance) = (&self.moving_mean, &self.moving_variance);
@@ -561,6 +697,15 @@ impl BatchNorm {
         forward: Forwarded<'_, T>,
         dy: &[T],
     ) -> Result<LayerGradients<T>> {
+        self.backward_with(None, forward, dy)
+    }
+
+    fn backward_with<T: Element<Stat = f32>>(
+        &self,
+        comm: Option<&dyn Collective>,
+        forward: Forwarded<'_, T>,
+        dy: &[T],
+    ) -> Result<LayerGradients<T>> {
         let cache = self.cache.as_ref().ok_or_else(|| {
             Error::arg(
                 "dy",
@@ -595,22 +740,24 @@ impl BatchNorm {
             mean: &cache.mean,
             variance: &cache.variance,
         };
-        let mode = if cache.training {
-            Backward::Training(stats)
-        } else {
-            Backward::Inference(stats)
-        };
         let epilogue = GradEpilogue {
             relu_output,
             side_input_backprop: None,
         };
-        p.backward(
-            GradInputs { y_backprop: dy, x },
-            &cache.gamma,
-            mode,
-            epilogue,
-            grads,
-        )?;
+        let inputs = GradInputs { y_backprop: dy, x };
+        match comm {
+            Some(comm) if cache.training => {
+                p.backward_sync(comm, inputs, &cache.gamma, stats, epilogue, grads)?;
+            }
+            _ => {
+                let mode = if cache.training {
+                    Backward::Training(stats)
+                } else {
+                    Backward::Inference(stats)
+                };
+                p.backward(inputs, &cache.gamma, mode, epilogue, grads)?;
+            }
+        }
         Ok(LayerGradients {
             x: dx,
             gamma: cache.scale.then_some(dgamma),

@@ -41,6 +41,9 @@
 //!   SIMD code behind [`Isa`]; multithreaded with rayon, results independent of the
 //!   thread count. Only the validated layers above call them, so no public entry can
 //!   hand them a bad geometry or a short slice.
+//! - [`sync`] — synchronized batch norm across processes or threads: a [`sync::Collective`]
+//!   (single process, a thread group, MPI with the `mpi` feature, or your own) between
+//!   the phases, for data-parallel training with the statistics of the whole batch.
 //! - [`reference`](mod@reference) — the `f64` oracle the tests compare everything against.
 //! - [`driver`] — one problem description for tests, benchmarks and `fusedbn run --check`:
 //!   inputs, reference outputs of any op, one tolerance policy.
@@ -61,6 +64,7 @@ pub mod layer;
 pub mod npy;
 pub mod ops;
 pub mod reference;
+pub mod sync;
 pub mod tensor;
 
 pub use batch_norm::Problem;

@@ -14,6 +14,7 @@
 //! # Ok::<(), fusedbn::Error>(())
 //! ```
 
+use std::cell::Cell;
 use std::fmt;
 use std::str::FromStr;
 
@@ -28,6 +29,7 @@ use crate::element::{Element, Real};
 use crate::error::{Error, Result};
 use crate::format::{check_x_shape, DataFormat, DEFAULT_EPSILON};
 use crate::kernels::simd::Isa;
+use crate::sync::{self, Collective};
 use crate::tensor::{DType, Tensor};
 
 /// One of TensorFlow's fused batch-norm ops.
@@ -320,6 +322,84 @@ impl Op {
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
     pub fn run_with_isa(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+        self.run_in(inputs, attrs, isa, None)
+    }
+
+    /// [`Op::run`] on this rank's shard of a batch split across the ranks of `comm`
+    /// (see [`crate::sync`]): the training forward ops (V1–V3, Ex) normalize with the
+    /// statistics of the whole batch, and the training gradient ops (V1–V3, Ex) use the
+    /// sums over the whole batch. `y` / `x_backprop` / `side_input_backprop` are this
+    /// rank's shard; the per-channel outputs (batch statistics, reserve spaces,
+    /// `scale_backprop`, `offset_backprop`) are global and bit-identical on every rank.
+    /// Inference ops need no communication and run locally (after the agreement
+    /// check); the second-order ops in training are not synchronized and fail.
+    ///
+    /// Every rank must call it with the same op; a rank whose inputs fail validation,
+    /// or ranks that disagree on the op, mode, channel count, epsilon, layout or element
+    /// type, make it fail on every rank (one small collective before the data ones).
+    /// With [`crate::sync::SingleProcess`] the results are bit-identical to
+    /// [`Op::run`].
+    ///
+    /// ```
+    /// use fusedbn::{Tensor, ops::{Attrs, Inputs, Op}, sync::SingleProcess};
+    /// let x = Tensor::new(vec![1, 1, 6, 1], vec![5.0f32, 7.0, 9.0, 11.0, 13.0, 15.0])?;
+    /// let (scale, offset) = (Tensor::vector(vec![4.0f32]), Tensor::vector(vec![2.0f32]));
+    /// let inputs = Inputs::new().with("x", &x).with("scale", &scale).with("offset", &offset);
+    /// let attrs = Attrs::new().epsilon(0.001);
+    /// let out = Op::FusedBatchNormV3.run_sync(&inputs, &attrs, &SingleProcess)?;
+    /// assert_eq!(out, Op::FusedBatchNormV3.run(&inputs, &attrs)?);
+    /// # Ok::<(), fusedbn::Error>(())
+    /// ```
+    pub fn run_sync(
+        self,
+        inputs: &Inputs<'_>,
+        attrs: &Attrs,
+        comm: &dyn Collective,
+    ) -> Result<Outputs> {
+        let tag = Op::ALL
+            .iter()
+            .position(|&o| o == self)
+            .map_or(0, |i| i as u8 + 1);
+        let synchronized = attrs.is_training && !self.is_second_order();
+        if !synchronized {
+            let result = if self.is_second_order() && attrs.is_training {
+                Err(Error::arg(
+                    "is_training",
+                    format!("false for {self} when synchronized (its training statistics are not synchronized; run it without synchronization)"),
+                    "true",
+                ))
+            } else {
+                self.run_with_isa(inputs, attrs, Isa::default_isa())
+            };
+            let d = sync::Descriptor {
+                kind: sync::KIND_LOCAL,
+                op: tag,
+                training: attrs.is_training,
+                ..Default::default()
+            };
+            let local = result.as_ref().map(|_| ()).map_err(Clone::clone);
+            sync::agree(comm, &d, local)?;
+            return result;
+        }
+        let ctx = SyncCtx {
+            comm,
+            op: tag,
+            joined: Cell::new(false),
+        };
+        let result = self.run_in(inputs, attrs, Isa::default_isa(), Some(&ctx));
+        match result {
+            Err(e) if !ctx.joined.get() => Err(sync::fail_step(comm, e)),
+            r => r,
+        }
+    }
+
+    fn run_in(
+        self,
+        inputs: &Inputs<'_>,
+        attrs: &Attrs,
+        isa: Isa,
+        sync: Option<&SyncCtx<'_>>,
+    ) -> Result<Outputs> {
         for (name, _) in &inputs.entries {
             if !self.input_names().contains(&name.as_str()) {
                 return Err(Error::UnknownInput {
@@ -342,9 +422,9 @@ impl Op {
         if self.is_second_order() {
             self.run_second_order(inputs, attrs, isa)
         } else if self.is_gradient() {
-            self.run_gradient(inputs, attrs, isa)
+            self.run_gradient(inputs, attrs, isa, sync)
         } else {
-            self.run_forward(inputs, attrs, isa)
+            self.run_forward(inputs, attrs, isa, sync)
         }
     }
 
@@ -356,7 +436,13 @@ impl Op {
         })
     }
 
-    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+    fn run_forward(
+        self,
+        inputs: &Inputs<'_>,
+        attrs: &Attrs,
+        isa: Isa,
+        sync: Option<&SyncCtx<'_>>,
+    ) -> Result<Outputs> {
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
         let offset = self.required(inputs, "offset", "always required")?;
@@ -439,10 +525,10 @@ impl Op {
             None
         };
         let mut out = match x.dtype() {
-            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, ex, attrs)?,
+            DType::F16 => forward::<f16>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
+            DType::BF16 => forward::<bf16>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
+            DType::F32 => forward::<f32>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
+            DType::F64 => forward::<f64>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
         };
         if self.version() == 3 {
             out.push(Tensor::empty(u));
@@ -450,7 +536,13 @@ impl Op {
         Ok(Outputs::new(self, out))
     }
 
-    fn run_gradient(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+    fn run_gradient(
+        self,
+        inputs: &Inputs<'_>,
+        attrs: &Attrs,
+        isa: Isa,
+        sync: Option<&SyncCtx<'_>>,
+    ) -> Result<Outputs> {
         let dy = self.required(inputs, "y_backprop", "always required")?;
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
@@ -537,10 +629,10 @@ impl Op {
             side_grad: self.is_ex(),
         };
         let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::BF16 => gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
+            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
+            DType::BF16 => gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
+            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
+            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
         };
         let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
@@ -739,14 +831,23 @@ struct Ex<'a> {
     act: Activation,
 }
 
+/// What a synchronized op run needs: the collective, the op's tag for the agreement
+/// check, and whether this rank has taken part in it yet.
+struct SyncCtx<'a> {
+    comm: &'a dyn Collective,
+    op: u8,
+    joined: Cell<bool>,
+}
+
+/// `[x, scale, offset]` → `[y, batch_mean, batch_variance, reserve_space_1,
+/// reserve_space_2]`.
 fn forward<T: Element>(
     p: &Problem,
-    x: &Tensor,
-    scale: &Tensor,
-    offset: &Tensor,
+    [x, scale, offset]: [&Tensor; 3],
     stats: Option<(&Tensor, &Tensor)>,
     ex: Ex<'_>,
     attrs: &Attrs,
+    sync: Option<&SyncCtx<'_>>,
 ) -> Result<Vec<Tensor>> {
     let side = match ex.side {
         Some(t) => Some(typed::<T>(t)?),
@@ -771,23 +872,25 @@ fn forward<T: Element>(
             batch_mean.copy_from_slice(typed::<T::Stat>(m)?);
             batch_var.copy_from_slice(typed::<T::Stat>(v)?);
         }
-        p.forward(
-            xs,
-            Affine { scale, offset },
-            Forward::Training(TrainingStats {
-                saved: SavedStats {
-                    mean: &mut rs1,
-                    variance: &mut rs2,
-                },
-                running: Some(RunningStats {
-                    mean: &mut batch_mean,
-                    variance: &mut batch_var,
-                    factor: attrs.exponential_avg_factor,
-                }),
+        let stats = TrainingStats {
+            saved: SavedStats {
+                mean: &mut rs1,
+                variance: &mut rs2,
+            },
+            running: Some(RunningStats {
+                mean: &mut batch_mean,
+                variance: &mut batch_var,
+                factor: attrs.exponential_avg_factor,
             }),
-            epilogue,
-            &mut y,
-        )?;
+        };
+        let affine = Affine { scale, offset };
+        match sync {
+            Some(ctx) => {
+                ctx.joined.set(true);
+                p.forward_sync_as(ctx.comm, ctx.op, xs, affine, stats, epilogue, &mut y)?;
+            }
+            None => p.forward(xs, affine, Forward::Training(stats), epilogue, &mut y)?,
+        }
     } else {
         let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
         let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
@@ -836,6 +939,7 @@ fn gradient<T: Element>(
     args: [&Tensor; 5],
     ex: GradEx<'_>,
     attrs: &Attrs,
+    sync: Option<&SyncCtx<'_>>,
 ) -> Result<Vec<Tensor>> {
     let [dy, x, scale, rs1, rs2] = args;
     let mask = match ex.mask {
@@ -870,25 +974,28 @@ fn gradient<T: Element>(
         mean: rs1,
         variance: rs2,
     };
-    let mode = if attrs.is_training {
-        Backward::Training(stats)
-    } else {
-        Backward::Inference(stats)
-    };
     let epilogue = GradEpilogue {
         relu_output: mask,
         side_input_backprop: side_out,
     };
-    p.backward(
-        GradInputs {
-            y_backprop: dys,
-            x: xs,
-        },
-        scale,
-        mode,
-        epilogue,
-        grads,
-    )?;
+    let inputs = GradInputs {
+        y_backprop: dys,
+        x: xs,
+    };
+    match sync {
+        Some(ctx) if attrs.is_training => {
+            ctx.joined.set(true);
+            p.backward_sync_as(ctx.comm, ctx.op, inputs, scale, stats, epilogue, grads)?;
+        }
+        _ => {
+            let mode = if attrs.is_training {
+                Backward::Training(stats)
+            } else {
+                Backward::Inference(stats)
+            };
+            p.backward(inputs, scale, mode, epilogue, grads)?;
+        }
+    }
     let mut out = vec![
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::vector(dscale),

@@ -44,10 +44,109 @@ pub struct RunArgs {
     /// on a value out of tolerance, fail and write nothing.
     #[arg(long)]
     pub check: bool,
+
+    /// Run the op synchronized across the ranks of an MPI job (`mpirun -n N fusedbn run
+    /// ... --sync mpi`; needs a build with the `mpi` feature): training ops use the
+    /// statistics of the whole batch, every rank's shard; `{rank}` in an input path or
+    /// in --out is replaced by the rank's number.
+    #[arg(long, value_name = "BACKEND")]
+    pub sync: Option<SyncBackend>,
 }
+
+/// `--sync` backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncBackend {
+    /// MPI (OpenMPI), through the `mpi` cargo feature.
+    Mpi,
+}
+
+/// The error of `--sync mpi` in a build without the `mpi` feature.
+pub const NO_MPI: &str = "--sync mpi: this fusedbn was built without MPI support; \
+build it with `cargo build --release -p fusedbn-cli --features mpi` (needs OpenMPI) and start it with mpirun";
 
 /// Runs `fusedbn run`.
 pub fn run(args: &RunArgs) -> Result<()> {
+    match args.sync {
+        None => run_local(args),
+        Some(SyncBackend::Mpi) => run_mpi(args),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(args: &RunArgs) -> Result<()> {
+    crate::validate_run(args)?;
+    Err(CliError::new(NO_MPI))
+}
+
+/// `--sync mpi`: this rank's shard, synchronized with the other ranks of the MPI job.
+/// Every local failure before the op (a file that cannot be read) still takes part in
+/// the op's agreement check, so that the other ranks fail instead of waiting.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &RunArgs) -> Result<()> {
+    use fusedbn::sync::{fail_step, mpi, Collective, Mpi};
+    let (op, attrs, inputs) = crate::validate_run(args)?;
+    if args.check {
+        return Err(CliError::new(
+            "--check cannot be combined with --sync (the reference would see only this rank's shard)",
+        ));
+    }
+    let universe = mpi::initialize()
+        .ok_or_else(|| CliError::new("--sync mpi: MPI was already initialized"))?;
+    let comm = Mpi::new(universe.world());
+    let (rank, size) = (comm.rank(), comm.size());
+    let at = |e: CliError| CliError::new(format!("rank {rank} of {size}: {e}"));
+    let subst = |p: &Path| PathBuf::from(p.to_string_lossy().replace("{rank}", &rank.to_string()));
+    let out = args.out.as_deref().map(subst);
+    let read = || -> Result<Vec<Tensor>> {
+        if let Some(o) = args.out.as_deref() {
+            if size > 1 && !o.to_string_lossy().contains("{rank}") {
+                return Err(CliError::new(format!(
+                    "--out {}: with --sync and {size} ranks it must contain {{rank}} (every rank writes its own shard's outputs)",
+                    o.display()
+                )));
+            }
+        }
+        if let Some(o) = out.as_deref().filter(|o| o.exists() && !o.is_dir()) {
+            return Err(CliError::new(format!(
+                "--out {}: exists and is not a directory",
+                o.display()
+            )));
+        }
+        inputs
+            .iter()
+            .map(|(name, path)| {
+                let path = subst(path);
+                npy::read(&path)
+                    .map_err(|e| CliError::new(format!("input {name} ({}): {e}", path.display())))
+            })
+            .collect()
+    };
+    let tensors = match read() {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = fail_step(
+                &comm,
+                fusedbn::Error::Collective {
+                    reason: e.to_string(),
+                },
+            );
+            return Err(at(e));
+        }
+    };
+    let mut named = Inputs::new();
+    for ((name, _), t) in inputs.iter().zip(&tensors) {
+        named.insert(name, t);
+    }
+    let outputs = op
+        .run_sync(&named, &attrs, &comm)
+        .map_err(|e| at(e.into()))?;
+    match &out {
+        Some(out) => write_outputs(out, &outputs).map_err(at),
+        None => Ok(()),
+    }
+}
+
+fn run_local(args: &RunArgs) -> Result<()> {
     let (op, attrs, inputs) = crate::validate_run(args)?;
     if let Some(out) = args.out.as_deref().filter(|o| o.exists() && !o.is_dir()) {
         return Err(CliError::new(format!(
@@ -458,7 +557,15 @@ pub fn long_help() -> String {
          numpy + ml_dtypes writes, dtype '<V2' (the raw 16-bit pattern, little-endian).\n\
          \n\
          Invalid input prints one line `fusedbn: error: ...` on stderr, exits with status 2\n\
-         and writes nothing.\n",
+         and writes nothing.\n\
+         \n\
+         --sync mpi (a build with the mpi feature, started by mpirun): each rank runs the op on its\n\
+         shard of the batch (split along N; shards may be uneven or empty); {rank} in an input path\n\
+         or in --out becomes the rank's number. Training forward and gradient ops (V1-V3, Ex) use\n\
+         the statistics and gradient sums of the whole batch: y / x_backprop are the rank's shard,\n\
+         the per-channel outputs are global and identical on every rank. Inference ops run locally.\n\
+         Example: mpirun -n 3 fusedbn run FusedBatchNormV3 --sync mpi --input x=shard{rank}.npy\n\
+         --input scale=scale.npy --input offset=offset.npy --out out{rank}\n",
     );
     let _ = write!(s, "\nExample:\n  {EXAMPLE}");
     s

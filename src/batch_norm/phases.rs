@@ -279,7 +279,7 @@ impl Problem {
         Ok(())
     }
 
-    pub(super) fn check_training_stats<U>(&self, stats: &TrainingStats<'_, U>) -> Result<()> {
+    pub(crate) fn check_training_stats<U>(&self, stats: &TrainingStats<'_, U>) -> Result<()> {
         if let Some(r) = &stats.running {
             self.check_c("running mean", r.mean.len())?;
             self.check_c("running variance", r.variance.len())?;

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The test command (README's, and what .ci/run runs): every test of the workspace, then
+# the synchronized batch norm under mpirun (cargo feature `mpi`, OpenMPI).
+#
+#   scripts/test.sh          install OpenMPI if missing (apt-get, as root), then test
+#   scripts/test.sh --deps   only install what is missing
+#
+# Without root or apt-get, a missing OpenMPI is an error that says what to install;
+# FUSEDBN_SKIP_MPI=1 runs only the default build's tests (no MPI needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# OpenMPI and what the `mpi` crate's bindgen needs at build time (see MPI.md in the
+# project notes: libclang-common for stddef.h; MPICH works but is far slower here).
+MPI_PACKAGES=(libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev)
+
+mpi_missing() {
+    local missing=()
+    for p in "${MPI_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    echo "${missing[@]:-}"
+}
+
+install_mpi() {
+    if command -v dpkg-query >/dev/null 2>&1; then
+        local missing
+        missing="$(mpi_missing)"
+        [ -z "$missing" ] && return 0
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "== installing $missing"
+            apt-get update -qq
+            # shellcheck disable=SC2086
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+            return 0
+        fi
+        echo "scripts/test.sh: missing packages: $missing (install them, or set FUSEDBN_SKIP_MPI=1)" >&2
+        return 1
+    fi
+    if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; then
+        echo "scripts/test.sh: OpenMPI (mpirun, mpicc) and libclang are needed for the MPI tests (or set FUSEDBN_SKIP_MPI=1)" >&2
+        return 1
+    fi
+}
+
+if [ "${FUSEDBN_SKIP_MPI:-0}" != 1 ]; then
+    install_mpi
+fi
+[ "${1:-}" = --deps ] && exit 0
+
+echo "== cargo test --workspace --release"
+cargo test --workspace --release
+
+if [ "${FUSEDBN_SKIP_MPI:-0}" = 1 ]; then
+    echo "== MPI tests skipped (FUSEDBN_SKIP_MPI=1)"
+    exit 0
+fi
+# mpirun as root, more ranks than cores, loopback only.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_oob_tcp_if_include=lo
+echo "== MPI: the library under mpirun -n 2, 3, 4 (feature mpi)"
+cargo test --release -p fusedbn --features mpi --test sync_mpi --example sync_mpi
+echo "== MPI: fusedbn run --sync mpi under mpirun -n 3"
+cargo test --release -p fusedbn-cli --features mpi --test sync
