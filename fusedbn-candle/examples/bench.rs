@@ -6,10 +6,13 @@
 //! cargo run --release -p fusedbn-candle --example bench [-- N C H W [iterations]]
 //! ```
 //!
-//! The default shape is 16×64×56×56 (a ResNet-50 early block). "fwd+bwd" is the
-//! forward, a loss `Σ y·r`, and `loss.backward()`; the loss alone (the same mul, sum and
-//! their gradients, without a batch norm) is timed as "loss only" so it can be
-//! subtracted. Each figure is the median of the iterations after one warm-up.
+//! The default shape is 16×64×56×56 (a ResNet-50 early block). "forward + backward
+//! (dy = 1)" is the forward and `y.backward()` (candle seeds the gradient with ones);
+//! "of Σ y·r" adds a loss, `(y·r).sum_all().backward()`, and the loss alone (the same mul,
+//! sum and their gradients, without a batch norm) is timed as "loss only" so it can be
+//! subtracted. Both include candle's autograd bookkeeping (it adds every gradient into a
+//! zero-filled accumulator). Each figure is the median of the iterations after one
+//! warm-up.
 
 use std::time::{Duration, Instant};
 
@@ -38,8 +41,13 @@ struct Row {
     ours: Duration,
 }
 
-fn bench<B: ModuleT>(bn: &B, x: &Var, r: &Tensor, iters: usize) -> Result<[Duration; 3]> {
+fn bench<B: ModuleT>(bn: &B, x: &Var, r: &Tensor, iters: usize) -> Result<[Duration; 4]> {
     let fwd = median(|| bn.forward_t(x.as_tensor(), true).map(drop), iters)?;
+    // `backward()` on y itself seeds dy = 1: the batch norm's own forward and backward.
+    let own = median(
+        || bn.forward_t(x.as_tensor(), true)?.backward().map(drop),
+        iters,
+    )?;
     let both = median(
         || {
             let y = bn.forward_t(x.as_tensor(), true)?;
@@ -48,7 +56,7 @@ fn bench<B: ModuleT>(bn: &B, x: &Var, r: &Tensor, iters: usize) -> Result<[Durat
         iters,
     )?;
     let eval = median(|| bn.forward_t(x.as_tensor(), false).map(drop), iters)?;
-    Ok([fwd, both, eval])
+    Ok([fwd, own, both, eval])
 }
 
 fn main() -> Result<()> {
@@ -71,27 +79,60 @@ fn main() -> Result<()> {
         let c = shape[1];
         let (vm_a, vm_b) = (VarMap::new(), VarMap::new());
         let theirs = candle_nn::batch_norm(c, 1e-5, VarBuilder::from_varmap(&vm_a, dtype, &dev))?;
-        let ours = fusedbn_candle::batch_norm(c, 1e-5, VarBuilder::from_varmap(&vm_b, dtype, &dev))?;
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1., shape.as_slice(), &dev)?.to_dtype(dtype)?)?;
+        let ours =
+            fusedbn_candle::batch_norm(c, 1e-5, VarBuilder::from_varmap(&vm_b, dtype, &dev))?;
+        let x =
+            Var::from_tensor(&Tensor::randn(0f32, 1., shape.as_slice(), &dev)?.to_dtype(dtype)?)?;
         let r = Tensor::randn(0f32, 1., shape.as_slice(), &dev)?.to_dtype(dtype)?;
-        let [f, b, e] = bench(&ours, &x, &r, iters)?;
+        let [f, o, b, e] = bench(&ours, &x, &r, iters)?;
         // candle-nn's training path fails in bf16 (a dtype mismatch): no figure then.
         let theirs_t = bench(&theirs, &x, &r, iters).ok();
         let theirs_eval = median(|| theirs.forward_t(x.as_tensor(), false).map(drop), iters).ok();
-        let loss_only = median(|| (x.as_tensor() * &r)?.sum_all()?.backward().map(drop), iters)?;
+        let loss_only = median(
+            || (x.as_tensor() * &r)?.sum_all()?.backward().map(drop),
+            iters,
+        )?;
         let rows = [
-            Row { what: "train forward", theirs: theirs_t.map(|t| t[0]), ours: f },
-            Row { what: "train forward + backward", theirs: theirs_t.map(|t| t[1]), ours: b },
-            Row { what: "inference forward", theirs: theirs_eval, ours: e },
-            Row { what: "(loss only, in fwd+bwd)", theirs: None, ours: loss_only },
+            Row {
+                what: "train forward",
+                theirs: theirs_t.map(|t| t[0]),
+                ours: f,
+            },
+            Row {
+                what: "train forward + backward (dy = 1)",
+                theirs: theirs_t.map(|t| t[1]),
+                ours: o,
+            },
+            Row {
+                what: "train forward + backward of Σ y·r",
+                theirs: theirs_t.map(|t| t[2]),
+                ours: b,
+            },
+            Row {
+                what: "inference forward",
+                theirs: theirs_eval,
+                ours: e,
+            },
+            Row {
+                what: "(loss only, in fwd+bwd)",
+                theirs: None,
+                ours: loss_only,
+            },
         ];
         for row in rows {
             let (t, ratio) = match row.theirs {
-                Some(t) => (format!("{:.2}", ms(t)), format!("{:.1}×", ms(t) / ms(row.ours))),
+                Some(t) => (
+                    format!("{:.2}", ms(t)),
+                    format!("{:.1}×", ms(t) / ms(row.ours)),
+                ),
                 None if row.what.starts_with('(') => ("".into(), "".into()),
                 None => ("fails".into(), "".into()),
             };
-            println!("| {dtype:?} | {} | {t} | {:.2} | {ratio} |", row.what, ms(row.ours));
+            println!(
+                "| {dtype:?} | {} | {t} | {:.2} | {ratio} |",
+                row.what,
+                ms(row.ours)
+            );
         }
     }
     Ok(())

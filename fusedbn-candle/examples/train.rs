@@ -11,10 +11,13 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, D};
-use candle_nn::{conv2d, linear, BatchNormConfig, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{
+    conv2d, linear, BatchNormConfig, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap,
+    SGD,
+};
 
 const STEPS: usize = 300;
-const BATCH: usize = 32;
+const BATCH: usize = 16;
 const CLASSES: usize = 4;
 
 /// conv → BN → ReLU → conv → BN → ReLU → global average pool → linear, generic in the
@@ -37,11 +40,11 @@ impl<B: ModuleT> Net<B> {
         };
         let bcfg = BatchNormConfig::default();
         Ok(Net {
-            c1: conv2d(3, 16, 3, cfg, vb.pp("c1"))?,
-            bn1: bn(16, bcfg, vb.pp("bn1"))?,
-            c2: conv2d(16, 32, 3, cfg, vb.pp("c2"))?,
-            bn2: bn(32, bcfg, vb.pp("bn2"))?,
-            fc: linear(32, CLASSES, vb.pp("fc"))?,
+            c1: conv2d(3, 8, 3, cfg, vb.pp("c1"))?,
+            bn1: bn(8, bcfg, vb.pp("bn1"))?,
+            c2: conv2d(8, 16, 3, cfg, vb.pp("c2"))?,
+            bn2: bn(16, bcfg, vb.pp("bn2"))?,
+            fc: linear(16, CLASSES, vb.pp("fc"))?,
         })
     }
 
@@ -71,19 +74,24 @@ fn data(n: usize, seed: u64) -> Result<(Tensor, Tensor)> {
         for c in 0..3 {
             for r in 0..h {
                 for q in 0..w {
-                    let bump = c == k % 3 && (r < h / 2) == (k < 2) && (q < w / 2) == (k % 2 == 0);
-                    x[((i * 3 + c) * h + r) * w + q] = next() * 2.0 - 1.0 + if bump { 1.0 } else { 0.0 };
+                    let bump =
+                        c == k % 3 && (r < h / 2) == (k < 2) && (q < w / 2) == k.is_multiple_of(2);
+                    x[((i * 3 + c) * h + r) * w + q] =
+                        next() * 2.0 - 1.0 + if bump { 1.0 } else { 0.0 };
                 }
             }
         }
     }
     let dev = Device::Cpu;
-    Ok((Tensor::from_vec(x, (n, 3, h, w), &dev)?, Tensor::from_vec(y, n, &dev)?))
+    Ok((
+        Tensor::from_vec(x, (n, 3, h, w), &dev)?,
+        Tensor::from_vec(y, n, &dev)?,
+    ))
 }
 
 /// Trains for `steps` and returns the loss at every step and the held-out accuracy.
 fn train<B: ModuleT>(varmap: &VarMap, net: &Net<B>, steps: usize) -> Result<(Vec<f32>, f32)> {
-    let mut opt = SGD::new(varmap.all_vars(), 0.05)?;
+    let mut opt = SGD::new(varmap.all_vars(), 0.1)?;
     let mut losses = Vec::with_capacity(steps);
     for step in 0..steps {
         let (x, y) = data(BATCH, 1000 + step as u64)?;
@@ -93,7 +101,11 @@ fn train<B: ModuleT>(varmap: &VarMap, net: &Net<B>, steps: usize) -> Result<(Vec
     }
     let (x, y) = data(512, 7)?;
     let pred = net.forward(&x, false)?.argmax(D::Minus1)?;
-    let acc = pred.eq(&y)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+    let acc = pred
+        .eq(&y)?
+        .to_dtype(DType::F32)?
+        .mean_all()?
+        .to_scalar::<f32>()?;
     Ok((losses, acc))
 }
 
@@ -101,8 +113,14 @@ fn train<B: ModuleT>(varmap: &VarMap, net: &Net<B>, steps: usize) -> Result<(Vec
 fn compare(steps: usize, print: bool) -> Result<f32> {
     let dev = Device::Cpu;
     let (vm_a, vm_b) = (VarMap::new(), VarMap::new());
-    let theirs = Net::new(VarBuilder::from_varmap(&vm_a, DType::F32, &dev), candle_nn::batch_norm)?;
-    let ours = Net::new(VarBuilder::from_varmap(&vm_b, DType::F32, &dev), fusedbn_candle::batch_norm)?;
+    let theirs = Net::new(
+        VarBuilder::from_varmap(&vm_a, DType::F32, &dev),
+        candle_nn::batch_norm,
+    )?;
+    let ours = Net::new(
+        VarBuilder::from_varmap(&vm_b, DType::F32, &dev),
+        fusedbn_candle::batch_norm,
+    )?;
     // The same names in both: copy candle-nn's random initial weights into ours.
     {
         let (a, b) = (vm_a.data().lock().unwrap(), vm_b.data().lock().unwrap());

@@ -152,7 +152,11 @@ struct Run<'a> {
 
 /// True when fusedbn's kernels can run on `x`.
 pub(crate) fn fusable(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    x.device().is_cpu()
+        && matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        )
 }
 
 fn stat_dtype(x: DType) -> DType {
@@ -337,9 +341,17 @@ impl Run<'_> {
         let shape: Vec<usize> = (0..x.rank())
             .map(|i| if i == 1 { x.dims()[1] } else { 1 })
             .collect();
-        let m = mean.detach().to_dtype(x.dtype())?.reshape(shape.as_slice())?;
-        let v = variance.detach().to_dtype(x.dtype())?.reshape(shape.as_slice())?;
-        let xhat = x.broadcast_sub(&m)?.broadcast_div(&(v + self.eps)?.sqrt()?)?;
+        let m = mean
+            .detach()
+            .to_dtype(x.dtype())?
+            .reshape(shape.as_slice())?;
+        let v = variance
+            .detach()
+            .to_dtype(x.dtype())?
+            .reshape(shape.as_slice())?;
+        let xhat = x
+            .broadcast_sub(&m)?
+            .broadcast_div(&(v + self.eps)?.sqrt()?)?;
         self.finish(xhat)
     }
 }

@@ -335,7 +335,12 @@ impl CustomOp3 for FusedBatchNorm {
                 let dside = dside
                     .map(|v| Tensor::from_vec(v, x.shape(), dev))
                     .transpose()?;
-                (dx, dside, Tensor::from_vec(dscale, c, dev)?, Tensor::from_vec(doffset, c, dev)?)
+                (
+                    dx,
+                    dside,
+                    Tensor::from_vec(dscale, c, dev)?,
+                    Tensor::from_vec(doffset, c, dev)?,
+                )
             }};
         }
         let (dx, dside, dscale, doffset) = match x.dtype() {

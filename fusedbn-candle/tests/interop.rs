@@ -27,12 +27,19 @@ fn values(t: &Tensor) -> Result<Vec<f32>> {
 fn checkpoints_round_trip_through_safetensors() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("fusedbn-candle-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let (a_path, b_path) = (dir.join("candle_nn.safetensors"), dir.join("ours.safetensors"));
+    let (a_path, b_path) = (
+        dir.join("candle_nn.safetensors"),
+        dir.join("ours.safetensors"),
+    );
     let x = rand(&[6, 4, 3, 3], -1.0, 4.0, 21)?.to_dtype(DType::F32)?;
 
     // candle-nn trains a step (moving the running statistics) and saves.
     let vm_a = VarMap::new();
-    let theirs = candle_nn::batch_norm(4, config(), VarBuilder::from_varmap(&vm_a, DType::F32, &DEV).pp("bn"))?;
+    let theirs = candle_nn::batch_norm(
+        4,
+        config(),
+        VarBuilder::from_varmap(&vm_a, DType::F32, &DEV).pp("bn"),
+    )?;
     for (name, v) in vm_a.data().lock().unwrap().iter() {
         if name.ends_with("weight") || name.ends_with("bias") {
             v.set(&rand(&[4], 0.5, 1.5, name.len() as u64)?.to_dtype(DType::F32)?)?;
@@ -43,20 +50,38 @@ fn checkpoints_round_trip_through_safetensors() -> Result<()> {
 
     // Ours, built with the same names, loads it and infers the same.
     let mut vm_b = VarMap::new();
-    let ours = fusedbn_candle::batch_norm(4, config(), VarBuilder::from_varmap(&vm_b, DType::F32, &DEV).pp("bn"))?;
+    let ours = fusedbn_candle::batch_norm(
+        4,
+        config(),
+        VarBuilder::from_varmap(&vm_b, DType::F32, &DEV).pp("bn"),
+    )?;
     vm_b.load(&a_path)?;
     assert_eq!(values(ours.running_var())?, values(theirs.running_var())?);
-    close("eval after load", &ours.forward_t(&x, false)?, &theirs.forward_t(&x, false)?, 1e-6)?;
+    close(
+        "eval after load",
+        &ours.forward_t(&x, false)?,
+        &theirs.forward_t(&x, false)?,
+        1e-6,
+    )?;
 
     // Ours trains a step and saves; candle-nn loads it.
     ours.forward_t(&(&x * 2.0)?, true)?;
     vm_b.save(&b_path)?;
     let mut vm_c = VarMap::new();
-    let back = candle_nn::batch_norm(4, config(), VarBuilder::from_varmap(&vm_c, DType::F32, &DEV).pp("bn"))?;
+    let back = candle_nn::batch_norm(
+        4,
+        config(),
+        VarBuilder::from_varmap(&vm_c, DType::F32, &DEV).pp("bn"),
+    )?;
     vm_c.load(&b_path)?;
     assert_eq!(values(back.running_mean())?, values(ours.running_mean())?);
     assert_eq!(values(back.running_var())?, values(ours.running_var())?);
-    close("eval after load back", &back.forward_t(&x, false)?, &ours.forward_t(&x, false)?, 1e-6)?;
+    close(
+        "eval after load back",
+        &back.forward_t(&x, false)?,
+        &ours.forward_t(&x, false)?,
+        1e-6,
+    )?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -67,7 +92,10 @@ fn conversions_share_variables() -> Result<()> {
     let x = rand(&[5, 3, 4], 2.0, 6.0, 31)?.to_dtype(DType::F32)?;
     for remove_mean in [true, false] {
         let vm = VarMap::new();
-        let cfg = BatchNormConfig { remove_mean, ..config() };
+        let cfg = BatchNormConfig {
+            remove_mean,
+            ..config()
+        };
         let theirs = candle_nn::batch_norm(3, cfg, VarBuilder::from_varmap(&vm, DType::F32, &DEV))?;
         let ours = fusedbn_candle::BatchNorm::from(theirs.clone());
         assert_eq!(ours.remove_mean(), remove_mean);
@@ -100,13 +128,21 @@ fn conversions_share_variables() -> Result<()> {
 #[test]
 fn remove_mean_false_falls_back_to_candle_nn() -> Result<()> {
     let x = rand(&[4, 2, 3], -1.0, 3.0, 41)?.to_dtype(DType::F32)?;
-    let cfg = BatchNormConfig { remove_mean: false, ..config() };
+    let cfg = BatchNormConfig {
+        remove_mean: false,
+        ..config()
+    };
     let (va, vb) = (VarMap::new(), VarMap::new());
     let theirs = candle_nn::batch_norm(2, cfg, VarBuilder::from_varmap(&va, DType::F32, &DEV))?;
     let ours = fusedbn_candle::batch_norm(2, cfg, VarBuilder::from_varmap(&vb, DType::F32, &DEV))?;
     assert!(!ours.is_fused_for(&x));
     for train in [true, false] {
-        close("y", &ours.forward_t(&x, train)?, &theirs.forward_t(&x, train)?, 0.0)?;
+        close(
+            "y",
+            &ours.forward_t(&x, train)?,
+            &theirs.forward_t(&x, train)?,
+            0.0,
+        )?;
     }
     assert_eq!(values(ours.running_var())?, values(theirs.running_var())?);
     Ok(())
@@ -170,8 +206,18 @@ fn forward_ex_matches_the_composed_ops() -> Result<()> {
                     let (p, q) = (ga.get(p).unwrap(), gb.get(q).unwrap());
                     close(&format!("{what} {name}"), p, q, 1e-5)?;
                 }
-                close(&format!("{what} running_mean"), ours.running_mean(), theirs.running_mean(), 1e-6)?;
-                close(&format!("{what} running_var"), ours.running_var(), theirs.running_var(), 1e-6)?;
+                close(
+                    &format!("{what} running_mean"),
+                    ours.running_mean(),
+                    theirs.running_mean(),
+                    1e-6,
+                )?;
+                close(
+                    &format!("{what} running_var"),
+                    ours.running_var(),
+                    theirs.running_var(),
+                    1e-6,
+                )?;
             }
         }
     }
@@ -182,7 +228,13 @@ fn forward_ex_matches_the_composed_ops() -> Result<()> {
 /// the side input; x and the side input are given as their buffers: `[N, C, *]`, or
 /// `[N, *, C]` seen through a permuted view when `last`.
 fn loss(args: &[Tensor], stats: &Tensor, r: &Tensor, train: bool, last: bool) -> Result<Tensor> {
-    let view = |t: &Tensor| if last { channels_last_view(t) } else { Ok(t.clone()) };
+    let view = |t: &Tensor| {
+        if last {
+            channels_last_view(t)
+        } else {
+            Ok(t.clone())
+        }
+    };
     let (x, w, b, side) = (view(&args[0])?, &args[1], &args[2], view(&args[3])?);
     let ep = Epilogue::relu(Some(&side));
     let y = if train {
@@ -202,7 +254,13 @@ fn gradients_match_finite_differences_in_f64() -> Result<()> {
     let (to_last, _) = perms(4);
     for train in [true, false] {
         for last in [false, true] {
-            let buffer = |t: Tensor| if last { t.permute(to_last.as_slice())?.contiguous() } else { Ok(t) };
+            let buffer = |t: Tensor| {
+                if last {
+                    t.permute(to_last.as_slice())?.contiguous()
+                } else {
+                    Ok(t)
+                }
+            };
             let args = [
                 buffer(rand(&shape, -1.0, 2.0, 61)?)?,
                 rand(&[2], 0.5, 1.5, 62)?,
@@ -215,7 +273,10 @@ fn gradients_match_finite_differences_in_f64() -> Result<()> {
             let tracked: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             let grads = loss(&tracked, &stats, &r, train, last)?.backward()?;
             let h = 1e-6;
-            for (k, name) in ["x", "weight", "bias", "side_input"].into_iter().enumerate() {
+            for (k, name) in ["x", "weight", "bias", "side_input"]
+                .into_iter()
+                .enumerate()
+            {
                 let g = grads.get(&vars[k]).expect("missing gradient");
                 let g = g.flatten_all()?.to_vec1::<f64>()?;
                 let base = args[k].flatten_all()?.to_vec1::<f64>()?;
@@ -244,12 +305,19 @@ fn gradients_match_finite_differences_in_f64() -> Result<()> {
 fn bad_inputs_are_errors() -> Result<()> {
     let vm = VarMap::new();
     let bn = fusedbn_candle::batch_norm(3, 1e-5, VarBuilder::from_varmap(&vm, DType::F32, &DEV))?;
-    let e = bn.forward_t(&Tensor::zeros((4, 2, 5), DType::F32, &DEV)?, true).unwrap_err();
+    let e = bn
+        .forward_t(&Tensor::zeros((4, 2, 5), DType::F32, &DEV)?, true)
+        .unwrap_err();
     assert!(e.to_string().contains("expected number of features"), "{e}");
-    assert!(bn.forward_t(&Tensor::zeros(3, DType::F32, &DEV)?, true).is_err());
+    assert!(bn
+        .forward_t(&Tensor::zeros(3, DType::F32, &DEV)?, true)
+        .is_err());
     let x = Tensor::zeros((2, 3, 4), DType::F32, &DEV)?;
     let side = Tensor::zeros((2, 3, 5), DType::F32, &DEV)?;
     assert!(bn.forward_ex(&x, Some(&side), true, true).is_err());
-    assert!(fusedbn_candle::batch_norm(3, -1.0, VarBuilder::from_varmap(&vm, DType::F32, &DEV)).is_err());
+    assert!(
+        fusedbn_candle::batch_norm(3, -1.0, VarBuilder::from_varmap(&vm, DType::F32, &DEV))
+            .is_err()
+    );
     Ok(())
 }

@@ -163,8 +163,16 @@ fn compare(
         (None, None, None, None) => {}
         _ => panic!("{what}: gradients of the parameters on one side only"),
     }
-    check(&format!("{what} running_mean"), &ours.running.0, &theirs.running.0)?;
-    check(&format!("{what} running_var"), &ours.running.1, &theirs.running.1)
+    check(
+        &format!("{what} running_mean"),
+        &ours.running.0,
+        &theirs.running.0,
+    )?;
+    check(
+        &format!("{what} running_var"),
+        &ours.running.1,
+        &theirs.running.1,
+    )
 }
 
 fn cases() -> Vec<Case<'static>> {
@@ -272,7 +280,8 @@ fn channels_last_views_stay_channels_last() -> Result<()> {
     let y = fusedbn_candle::batch_norm_train(&x, None, None, 1e-5, Default::default())?.y;
     assert_eq!(y.dims(), [2, 3, 4, 5]);
     assert!(!y.is_contiguous() && is_channels_last(&y)?);
-    let want = fusedbn_candle::batch_norm_train(&x.contiguous()?, None, None, 1e-5, Default::default())?.y;
+    let want =
+        fusedbn_candle::batch_norm_train(&x.contiguous()?, None, None, 1e-5, Default::default())?.y;
     assert!(want.is_contiguous());
     close("channels-last vs contiguous", &y, &want, 1e-6)
 }

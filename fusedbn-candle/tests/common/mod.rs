@@ -11,10 +11,13 @@ pub fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
     let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    let diff = a
-        .iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| if (x - y).is_nan() { f64::INFINITY } else { m.max((x - y).abs()) });
+    let diff = a.iter().zip(&b).fold(0f64, |m, (x, y)| {
+        if (x - y).is_nan() {
+            f64::INFINITY
+        } else {
+            m.max((x - y).abs())
+        }
+    });
     Ok(diff / scale)
 }
 
@@ -28,7 +31,14 @@ pub fn close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> Result<()> {
 /// Every element of `a` (a half type) within `ulps` roundings (of relative size `unit`)
 /// of `b` (the f32 path), plus a floor of as many roundings of `floor·max|b|` (for
 /// values near zero, or results of a cancellation).
-pub fn close_half(what: &str, a: &Tensor, b: &Tensor, unit: f64, ulps: f64, floor: f64) -> Result<()> {
+pub fn close_half(
+    what: &str,
+    a: &Tensor,
+    b: &Tensor,
+    unit: f64,
+    ulps: f64,
+    floor: f64,
+) -> Result<()> {
     let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
