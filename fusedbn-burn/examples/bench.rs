@@ -45,7 +45,11 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let shape: Vec<usize> = args
         .first()
-        .map(|s| s.split(',').map(|d| d.parse().expect("a shape like 16,64,56,56")).collect())
+        .map(|s| {
+            s.split(',')
+                .map(|d| d.parse().expect("a shape like 16,64,56,56"))
+                .collect()
+        })
         .unwrap_or_else(|| vec![16, 64, 56, 56]);
     assert_eq!(shape.len(), 4, "the shape is N,C,H,W");
     let dtype = match args.get(1).map(String::as_str).unwrap_or("f32") {
@@ -61,7 +65,11 @@ fn main() {
     let plain = Device::flex();
     let data = |seed: u32, device: &Device| {
         let v: Vec<f32> = (0..n)
-            .map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / (1 << 24) as f32 - 0.5)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32
+                    / (1 << 24) as f32
+                    - 0.5
+            })
             .collect();
         Tensor::<4>::from_data(TensorData::new(v, shape), (device, dtype))
     };
@@ -69,26 +77,40 @@ fn main() {
     let x_plain = data(1, &plain);
     let cast = |bn: burn::nn::BatchNorm| {
         let mut bn = bn;
-        bn.gamma = bn.gamma.map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
-        bn.beta = bn.beta.map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
+        bn.gamma = bn
+            .gamma
+            .map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
+        bn.beta = bn
+            .beta
+            .map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
         bn
     };
     let theirs = cast(burn::nn::BatchNormConfig::new(c).init(&device));
     let ours = fusedbn_burn::BatchNorm::from(cast(burn::nn::BatchNormConfig::new(c).init(&device)));
 
-    println!("shape {shape:?} {dtype:?}, Flex backend, {} threads", std::thread::available_parallelism().map_or(1, |p| p.get()));
-    println!("{:<44} {:>12} {:>12} {:>8}", "", "burn ms", "fusedbn ms", "speedup");
+    println!(
+        "shape {shape:?} {dtype:?}, Flex backend, {} threads",
+        std::thread::available_parallelism().map_or(1, |p| p.get())
+    );
+    println!(
+        "{:<44} {:>12} {:>12} {:>8}",
+        "", "burn ms", "fusedbn ms", "speedup"
+    );
     let row = |name: &str, b: Duration, f: Duration| {
-        println!("{name:<44} {:>12.2} {:>12.2} {:>7.1}x", ms(b), ms(f), ms(b) / ms(f));
+        println!(
+            "{name:<44} {:>12.2} {:>12.2} {:>7.1}x",
+            ms(b),
+            ms(f),
+            ms(b) / ms(f)
+        );
     };
 
     let sync = |t: Tensor<4>| {
         let _ = t.into_data();
     };
-    let t = time_rows(&mut [
-        &mut || sync(theirs.forward(x.clone())),
-        &mut || sync(ours.forward(x.clone())),
-    ]);
+    let t = time_rows(&mut [&mut || sync(theirs.forward(x.clone())), &mut || {
+        sync(ours.forward(x.clone()))
+    }]);
     row("training forward (autodiff device)", t[0], t[1]);
 
     // Backward from y itself (burn seeds it with ones): the batch norm's forward
@@ -98,16 +120,16 @@ fn main() {
         let grads = f(x.clone()).backward();
         let _ = x.grad(&grads).unwrap().into_data();
     };
-    let t = time_rows(&mut [
-        &mut || step(&|x| theirs.forward(x)),
-        &mut || step(&|x| ours.forward(x)),
-    ]);
+    let t = time_rows(&mut [&mut || step(&|x| theirs.forward(x)), &mut || {
+        step(&|x| ours.forward(x))
+    }]);
     row("training forward + backward (autodiff)", t[0], t[1]);
 
     let (theirs, ours) = (theirs.valid(), ours.valid());
-    let t = time_rows(&mut [
-        &mut || sync(theirs.forward(x_plain.clone())),
-        &mut || sync(ours.forward(x_plain.clone())),
-    ]);
+    let t = time_rows(
+        &mut [&mut || sync(theirs.forward(x_plain.clone())), &mut || {
+            sync(ours.forward(x_plain.clone()))
+        }],
+    );
     row("inference forward (plain device)", t[0], t[1]);
 }

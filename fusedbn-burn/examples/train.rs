@@ -61,7 +61,11 @@ macro_rules! net {
 }
 
 net!(BurnNet, burn::nn::BatchNorm, burn::nn::BatchNormConfig);
-net!(FusedNet, fusedbn_burn::BatchNorm, fusedbn_burn::BatchNormConfig);
+net!(
+    FusedNet,
+    fusedbn_burn::BatchNorm,
+    fusedbn_burn::BatchNormConfig
+);
 
 /// A batch: class k is a bright quadrant k on noise, with a per-image offset.
 fn batch(step: usize, device: &Device) -> (Tensor<4>, Tensor<1, Int>) {

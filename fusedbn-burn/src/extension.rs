@@ -114,13 +114,7 @@ impl FusedBatchNormBackend for Flex {
 
 /// The state a backward node keeps: `x` and `gamma` checkpointed (as burn's own
 /// batch-norm node keeps them), the statistics as the forward pass used them.
-type State<B> = (
-    NodeId,
-    NodeId,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    f64,
-);
+type State<B> = (NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f64);
 
 /// One node for the whole op: the gradients of `x`, `gamma` and `beta` from one
 /// call of the inner backend's backward operation.
@@ -182,7 +176,13 @@ impl<B: FusedBatchNormBackend, C: CheckpointStrategy> FusedBatchNormBackend for 
                     beta.into_primitive(),
                     epsilon,
                 );
-                let state = (x_state, gamma_state, mean.clone(), variance.clone(), epsilon);
+                let state = (
+                    x_state,
+                    gamma_state,
+                    mean.clone(),
+                    variance.clone(),
+                    epsilon,
+                );
                 (
                     prep.finish(state, y),
                     <FloatTensor<Self>>::new(mean),

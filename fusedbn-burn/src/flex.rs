@@ -60,11 +60,7 @@ pub fn batch_norm_train(
 ) -> BatchNormTrain<Flex> {
     let dtype = x.dtype();
     let r = batch_norm_train_stats(x, gamma, beta, epsilon);
-    BatchNormTrain::new(
-        r.output,
-        cast(r.mean, dtype),
-        cast(r.variance, dtype),
-    )
+    BatchNormTrain::new(r.output, cast(r.mean, dtype), cast(r.variance, dtype))
 }
 
 /// burn's `ModuleOps::batch_norm_train_backward` for `Flex`, on fusedbn's kernels:
@@ -235,9 +231,18 @@ fn channel_vec<U: Real>(t: &FlexTensor, what: &str, channels: usize) -> Vec<U> {
     let t = t.to_contiguous();
     match t.dtype() {
         DType::F64 => slice::<f64>(&t).iter().map(|&v| U::from_f64(v)).collect(),
-        DType::F32 => slice::<f32>(&t).iter().map(|&v| U::from_f64(v as f64)).collect(),
-        DType::F16 => slice::<f16>(&t).iter().map(|&v| U::from_f64(v.to_f64())).collect(),
-        DType::BF16 => slice::<bf16>(&t).iter().map(|&v| U::from_f64(v.to_f64())).collect(),
+        DType::F32 => slice::<f32>(&t)
+            .iter()
+            .map(|&v| U::from_f64(v as f64))
+            .collect(),
+        DType::F16 => slice::<f16>(&t)
+            .iter()
+            .map(|&v| U::from_f64(v.to_f64()))
+            .collect(),
+        DType::BF16 => slice::<bf16>(&t)
+            .iter()
+            .map(|&v| U::from_f64(v.to_f64()))
+            .collect(),
         other => unsupported(other),
     }
 }

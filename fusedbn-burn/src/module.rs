@@ -2,9 +2,7 @@
 //! fusedbn's kernels.
 
 use burn::config::Config;
-use burn::module::{
-    Content, DisplaySettings, Flag, Module, ModuleDisplay, Param, RunningState,
-};
+use burn::module::{Content, DisplaySettings, Flag, Module, ModuleDisplay, Param, RunningState};
 use burn::nn::Initializer;
 use burn::tensor::{Device, Tensor};
 
@@ -108,9 +106,9 @@ impl BatchNormConfig {
 /// let x = Tensor::<2>::from_floats([[1.0, 0.0], [3.0, 4.0]], &device);
 /// let y = bn.forward(x);
 /// // batch mean [2, 2], biased variance [1, 4]: momentum 0.1 from [0, 0] and [1, 1]
-/// let running = bn.running_mean.value().into_data().try_to_vec::<f32>().unwrap();
+/// let running = bn.running_mean.value_sync().into_data().try_to_vec::<f32>().unwrap();
 /// assert!((running[0] - 0.2).abs() < 1e-6);
-/// let running_var = bn.running_var.value().into_data().try_to_vec::<f32>().unwrap();
+/// let running_var = bn.running_var.value_sync().into_data().try_to_vec::<f32>().unwrap();
 /// assert!((running_var[1] - 1.3).abs() < 1e-6);
 /// // and the same parameters as burn's own module
 /// let theirs: burn::nn::BatchNorm = bn.into();

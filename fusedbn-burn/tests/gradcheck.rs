@@ -8,7 +8,14 @@ use burn::tensor::{DType, Device, Tensor};
 use common::*;
 
 /// sum(w · bn(x)) with the given parameters, as f64.
-fn loss(x: &[f64], gamma: &[f64], beta: &[f64], w: &[f64], shape: [usize; 3], training: bool) -> f64 {
+fn loss(
+    x: &[f64],
+    gamma: &[f64],
+    beta: &[f64],
+    w: &[f64],
+    shape: [usize; 3],
+    training: bool,
+) -> f64 {
     let device = Device::flex().autodiff();
     let c = shape[1];
     let mut p = Params::new(c, 4);
@@ -30,7 +37,9 @@ fn check(training: bool) {
     let mut bn = fused_bn(&p, DType::F64, &device);
     bn.training = Param::from_bool(training);
     let xt = tensor(&x, shape, DType::F64, &device).require_grad();
-    let grads = (bn.forward(xt.clone()) * tensor(&w, shape, DType::F64, &device)).sum().backward();
+    let grads = (bn.forward(xt.clone()) * tensor(&w, shape, DType::F64, &device))
+        .sum()
+        .backward();
     let analytic: Vec<Vec<f64>> = vec![
         to_f64(xt.grad(&grads).unwrap()),
         to_f64(bn.gamma.val().grad(&grads).unwrap()),
@@ -49,7 +58,12 @@ fn check(training: bool) {
                 (at(h) - at(-h)) / (2.0 * h)
             })
             .collect();
-        assert_close(&format!("training={training} d{name}"), &analytic[k], &numeric, 1e-7);
+        assert_close(
+            &format!("training={training} d{name}"),
+            &analytic[k],
+            &numeric,
+            1e-7,
+        );
     }
 }
 
@@ -69,7 +83,8 @@ fn a_constant_output_gradient_gives_no_input_gradient() {
     // constant dy has no effect on x.
     let device = Device::flex().autodiff();
     let bn = fusedbn_burn::BatchNormConfig::new(3).init(&device);
-    let x = Tensor::<3>::from_floats([[[1.0, 2.0], [3.0, 5.0], [0.0, 1.0]]], &device).require_grad();
+    let x =
+        Tensor::<3>::from_floats([[[1.0, 2.0], [3.0, 5.0], [0.0, 1.0]]], &device).require_grad();
     let grads = bn.forward(x.clone()).sum().backward();
     let dx = to_f64(x.grad(&grads).unwrap());
     assert!(dx.iter().all(|g| g.abs() < 1e-6), "{dx:?}");

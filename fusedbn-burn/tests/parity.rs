@@ -55,7 +55,14 @@ impl Bn for fusedbn_burn::BatchNorm {
     }
 }
 
-fn step<const D: usize>(bn: &impl Bn, x: &[f64], w: &[f64], shape: [usize; D], dtype: DType, device: &Device) -> Step {
+fn step<const D: usize>(
+    bn: &impl Bn,
+    x: &[f64],
+    w: &[f64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+) -> Step {
     let x = tensor(x, shape, dtype, device).require_grad();
     let w = tensor(w, shape, dtype, device);
     let y = bn.forward(x.clone());
@@ -80,14 +87,24 @@ fn parity<const D: usize>(shape: [usize; D], dtype: DType, tol: f64) {
     let theirs = burn_bn(&p, dtype, &device);
     let ours = fused_bn(&p, dtype, &device);
     let at = |what: &str| format!("{dtype:?} {shape:?} {what}");
-    assert!(fusedbn_burn::is_fused(&tensor(&[0.0; 1], [1], dtype, &device)));
+    assert!(fusedbn_burn::is_fused(&tensor(
+        &[0.0; 1],
+        [1],
+        dtype,
+        &device
+    )));
     for s in 0..2 {
         let x = values(n, 100 + s, 0.5, 2.0);
         let w = values(n, 200 + s, 0.0, 1.0);
         let a = step(&ours, &x, &w, shape, dtype, &device);
         let b = step(&theirs, &x, &w, shape, dtype, &device);
         for k in 0..4 {
-            assert_close(&at(&format!("train step {s} {}", NAMES[k])), &a[k], &b[k], tol);
+            assert_close(
+                &at(&format!("train step {s} {}", NAMES[k])),
+                &a[k],
+                &b[k],
+                tol,
+            );
         }
         let (ra, rb) = (ours.running(), theirs.running());
         assert_close(&at("running_mean"), &ra[0], &rb[0], tol);
@@ -152,7 +169,12 @@ fn half<const D: usize>(shape: [usize; D], dtype: DType, tol: f64) {
     let b = step(&wide, &x, &w, shape, DType::F32, &device);
     assert_eq!(low.gamma.val().dtype(), dtype);
     for k in 0..4 {
-        assert_close(&format!("{dtype:?} {shape:?} {}", NAMES[k]), &a[k], &b[k], tol);
+        assert_close(
+            &format!("{dtype:?} {shape:?} {}", NAMES[k]),
+            &a[k],
+            &b[k],
+            tol,
+        );
     }
     // Running statistics: the update runs in the module's dtype, as burn's.
     let (ra, rb) = (low.running(), wide.running());
@@ -204,8 +226,22 @@ fn trains_under_gradient_checkpointing() {
     let p = Params::new(3, 5);
     let x = values(300, 1, 0.5, 2.0);
     let w = values(300, 2, 0.0, 1.0);
-    let a = step(&fused_bn(&p, DType::F32, &device), &x, &w, shape, DType::F32, &device);
-    let b = step(&burn_bn(&p, DType::F32, &device), &x, &w, shape, DType::F32, &device);
+    let a = step(
+        &fused_bn(&p, DType::F32, &device),
+        &x,
+        &w,
+        shape,
+        DType::F32,
+        &device,
+    );
+    let b = step(
+        &burn_bn(&p, DType::F32, &device),
+        &x,
+        &w,
+        shape,
+        DType::F32,
+        &device,
+    );
     for k in 0..4 {
         assert_close(NAMES[k], &a[k], &b[k], 1e-5);
     }
@@ -217,7 +253,12 @@ fn frozen_module_keeps_its_running_statistics() {
     let p = Params::new(3, 9);
     let bn = fused_bn(&p, DType::F32, &device).freeze();
     let before = bn.running();
-    let _ = bn.forward(tensor(&values(24, 3, 1.0, 1.0), [8, 3], DType::F32, &device));
+    let _ = bn.forward(tensor(
+        &values(24, 3, 1.0, 1.0),
+        [8, 3],
+        DType::F32,
+        &device,
+    ));
     assert_eq!(bn.running(), before);
 }
 
@@ -228,12 +269,36 @@ fn the_functional_forms_match_burns() {
     let x = values(60, 8, 0.5, 2.0);
     let p = Params::new(3, 1);
     let t = |v: &[f64]| tensor(v, [v.len()], DType::F32, &device);
-    let a = fusedbn_burn::batch_norm_train(tensor(&x, shape, DType::F32, &device), t(&p.gamma), t(&p.beta), 1e-3);
-    let b = burn::tensor::module::batch_norm_train(tensor(&x, shape, DType::F32, &device), t(&p.gamma), t(&p.beta), 1e-3);
+    let a = fusedbn_burn::batch_norm_train(
+        tensor(&x, shape, DType::F32, &device),
+        t(&p.gamma),
+        t(&p.beta),
+        1e-3,
+    );
+    let b = burn::tensor::module::batch_norm_train(
+        tensor(&x, shape, DType::F32, &device),
+        t(&p.gamma),
+        t(&p.beta),
+        1e-3,
+    );
     assert_close("output", &to_f64(a.output), &to_f64(b.output), 1e-5);
     assert_close("mean", &to_f64(a.mean), &to_f64(b.mean), 1e-6);
     assert_close("variance", &to_f64(a.variance), &to_f64(b.variance), 1e-6);
-    let a = fusedbn_burn::batch_norm(tensor(&x, shape, DType::F32, &device), t(&p.gamma), t(&p.beta), t(&p.running_mean), t(&p.running_var), 1e-3);
-    let b = burn::tensor::module::batch_norm(tensor(&x, shape, DType::F32, &device), t(&p.gamma), t(&p.beta), t(&p.running_mean), t(&p.running_var), 1e-3);
+    let a = fusedbn_burn::batch_norm(
+        tensor(&x, shape, DType::F32, &device),
+        t(&p.gamma),
+        t(&p.beta),
+        t(&p.running_mean),
+        t(&p.running_var),
+        1e-3,
+    );
+    let b = burn::tensor::module::batch_norm(
+        tensor(&x, shape, DType::F32, &device),
+        t(&p.gamma),
+        t(&p.beta),
+        t(&p.running_mean),
+        t(&p.running_var),
+        1e-3,
+    );
     assert_close("inference", &to_f64(a), &to_f64(b), 1e-6);
 }

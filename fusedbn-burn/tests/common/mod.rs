@@ -7,7 +7,9 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 
 /// Deterministic values in roughly [-1, 1) (a 64-bit LCG), shifted and scaled.
 pub fn values(n: usize, seed: u64, shift: f64, scale: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
             s = s
@@ -20,7 +22,12 @@ pub fn values(n: usize, seed: u64, shift: f64, scale: f64) -> Vec<f64> {
 }
 
 /// A tensor of the given dtype holding `v` (rounded to the dtype).
-pub fn tensor<const D: usize>(v: &[f64], shape: [usize; D], dtype: DType, device: &Device) -> Tensor<D> {
+pub fn tensor<const D: usize>(
+    v: &[f64],
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+) -> Tensor<D> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), (device, dtype))
 }
 
@@ -79,7 +86,10 @@ pub fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .enumerate()
-        .fold((0, 0.0f64), |(bi, be), (i, e)| if e > be { (i, e) } else { (bi, be) });
+        .fold(
+            (0, 0.0f64),
+            |(bi, be), (i, e)| if e > be { (i, e) } else { (bi, be) },
+        );
     let rel = err / scale;
     assert!(
         rel <= tol,
