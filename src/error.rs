@@ -79,6 +79,13 @@ pub enum Error {
         /// The shape.
         shape: Vec<usize>,
     },
+    /// The GPU backend could not run: no driver or device, a failed compile, launch or
+    /// copy (feature `cuda`).
+    #[error("CUDA: {what}")]
+    Device {
+        /// What failed.
+        what: String,
+    },
 }
 
 impl Error {

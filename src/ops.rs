@@ -320,6 +320,13 @@ impl Op {
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
     pub fn run_with_isa(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+        self.run_on(inputs, attrs, &Backend::Cpu(isa))
+    }
+
+    /// [`Op::run`] on a [`Backend`]: the CPU with an instruction set, or (feature
+    /// `cuda`) a GPU. Validation, empty-tensor rules and outputs are the same; the
+    /// second-order ops run on the CPU only.
+    pub fn run_on(self, inputs: &Inputs<'_>, attrs: &Attrs, backend: &Backend) -> Result<Outputs> {
         for (name, _) in &inputs.entries {
             if !self.input_names().contains(&name.as_str()) {
                 return Err(Error::UnknownInput {
@@ -340,11 +347,19 @@ impl Op {
             ));
         }
         if self.is_second_order() {
-            self.run_second_order(inputs, attrs, isa)
+            match backend {
+                Backend::Cpu(isa) => self.run_second_order(inputs, attrs, *isa),
+                #[cfg(feature = "cuda")]
+                Backend::Cuda(_) => Err(Error::arg(
+                    "backend",
+                    "the CPU for the second-order ops",
+                    "CUDA",
+                )),
+            }
         } else if self.is_gradient() {
-            self.run_gradient(inputs, attrs, isa)
+            self.run_gradient(inputs, attrs, backend)
         } else {
-            self.run_forward(inputs, attrs, isa)
+            self.run_forward(inputs, attrs, backend)
         }
     }
 
@@ -356,7 +371,7 @@ impl Op {
         })
     }
 
-    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+    fn run_forward(self, inputs: &Inputs<'_>, attrs: &Attrs, backend: &Backend) -> Result<Outputs> {
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
         let offset = self.required(inputs, "offset", "always required")?;
@@ -387,7 +402,7 @@ impl Op {
         // Rules 3-4: sizes.
         let problem = Problem::new(attrs.data_format, x.shape())?
             .with_epsilon(attrs.epsilon)
-            .with_isa(isa)?;
+            .with_isa(backend.isa())?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         check_channels("offset", offset, c)?;
@@ -439,10 +454,12 @@ impl Op {
             None
         };
         let mut out = match x.dtype() {
-            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::BF16 => forward::<bf16>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, ex, attrs)?,
-            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, ex, attrs)?,
+            DType::F16 => forward::<f16>(&problem, x, scale, offset, stats, ex, (attrs, backend))?,
+            DType::BF16 => {
+                forward::<bf16>(&problem, x, scale, offset, stats, ex, (attrs, backend))?
+            }
+            DType::F32 => forward::<f32>(&problem, x, scale, offset, stats, ex, (attrs, backend))?,
+            DType::F64 => forward::<f64>(&problem, x, scale, offset, stats, ex, (attrs, backend))?,
         };
         if self.version() == 3 {
             out.push(Tensor::empty(u));
@@ -450,7 +467,12 @@ impl Op {
         Ok(Outputs::new(self, out))
     }
 
-    fn run_gradient(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
+    fn run_gradient(
+        self,
+        inputs: &Inputs<'_>,
+        attrs: &Attrs,
+        backend: &Backend,
+    ) -> Result<Outputs> {
         let dy = self.required(inputs, "y_backprop", "always required")?;
         let x = self.required(inputs, "x", "always required")?;
         let scale = self.required(inputs, "scale", "always required")?;
@@ -488,7 +510,7 @@ impl Op {
         // Rules 3 and 5: sizes.
         let problem = Problem::new(attrs.data_format, x.shape())?
             .with_epsilon(attrs.epsilon)
-            .with_isa(isa)?;
+            .with_isa(backend.isa())?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         if dy.shape() != x.shape() {
@@ -537,10 +559,12 @@ impl Op {
             side_grad: self.is_ex(),
         };
         let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::BF16 => gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
-            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs)?,
+            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, backend)?,
+            DType::BF16 => {
+                gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, backend)?
+            }
+            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, backend)?,
+            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, backend)?,
         };
         let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
@@ -746,7 +770,7 @@ fn forward<T: Element>(
     offset: &Tensor,
     stats: Option<(&Tensor, &Tensor)>,
     ex: Ex<'_>,
-    attrs: &Attrs,
+    (attrs, backend): (&Attrs, &Backend),
 ) -> Result<Vec<Tensor>> {
     let side = match ex.side {
         Some(t) => Some(typed::<T>(t)?),
@@ -771,7 +795,8 @@ fn forward<T: Element>(
             batch_mean.copy_from_slice(typed::<T::Stat>(m)?);
             batch_var.copy_from_slice(typed::<T::Stat>(v)?);
         }
-        p.forward(
+        backend.forward(
+            p,
             xs,
             Affine { scale, offset },
             Forward::Training(TrainingStats {
@@ -791,7 +816,8 @@ fn forward<T: Element>(
     } else {
         let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
         let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
-        p.forward(
+        backend.forward(
+            p,
             xs,
             Affine { scale, offset },
             Forward::Inference(Statistics {
@@ -836,6 +862,7 @@ fn gradient<T: Element>(
     args: [&Tensor; 5],
     ex: GradEx<'_>,
     attrs: &Attrs,
+    backend: &Backend,
 ) -> Result<Vec<Tensor>> {
     let [dy, x, scale, rs1, rs2] = args;
     let mask = match ex.mask {
@@ -879,7 +906,8 @@ fn gradient<T: Element>(
         relu_output: mask,
         side_input_backprop: side_out,
     };
-    p.backward(
+    backend.backward(
+        p,
         GradInputs {
             y_backprop: dys,
             x: xs,
@@ -942,6 +970,65 @@ fn second_order<T: Element>(
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::vector(dscale),
     ])
+}
+
+/// Where an op runs: the CPU with an instruction set, or (feature `cuda`) a GPU.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// The CPU kernels of an instruction set.
+    Cpu(Isa),
+    /// A GPU ([`crate::cuda`]): inputs are copied to it and the outputs back.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::Gpu),
+}
+
+impl Default for Backend {
+    fn default() -> Self {
+        Backend::Cpu(Isa::default_isa())
+    }
+}
+
+impl Backend {
+    /// The CPU instruction set of the problem (the best one when on a GPU).
+    fn isa(&self) -> Isa {
+        match self {
+            Backend::Cpu(isa) => *isa,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Isa::default_isa(),
+        }
+    }
+
+    fn forward<T: Element>(
+        &self,
+        p: &Problem,
+        x: &[T],
+        affine: Affine<'_, T::Stat>,
+        mode: Forward<'_, T::Stat>,
+        epilogue: Epilogue<'_, T>,
+        y: &mut [T],
+    ) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => p.forward(x, affine, mode, epilogue, y),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => gpu.forward(p, x, affine, mode, epilogue, y),
+        }
+    }
+
+    fn backward<T: Element>(
+        &self,
+        p: &Problem,
+        inputs: GradInputs<'_, T>,
+        scale: &[T::Stat],
+        mode: Backward<'_, T::Stat>,
+        epilogue: GradEpilogue<'_, T>,
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => p.backward(inputs, scale, mode, epilogue, grads),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => gpu.backward(p, inputs, scale, mode, epilogue, grads),
+        }
+    }
 }
 
 /// The ops' attributes, with TensorFlow's defaults; built with chained setters.

@@ -93,7 +93,7 @@ impl Problem {
         }
     }
 
-    pub(super) fn check_forward<T: Element>(
+    pub(crate) fn check_forward<T: Element>(
         &self,
         x: &[T],
         affine: Affine<'_, T::Stat>,
@@ -229,7 +229,7 @@ impl Problem {
         Ok(())
     }
 
-    pub(super) fn check_backward<T: Element>(
+    pub(crate) fn check_backward<T: Element>(
         &self,
         inputs: GradInputs<'_, T>,
         scale: &[T::Stat],
