@@ -541,9 +541,14 @@ impl Gpu {
         b.map_or(0, |b| self.ptr(b))
     }
 
-    /// Scratch of at least `bytes` (partials, then coefficients), reused across calls:
-    /// safe because every use is ordered on the one stream.
-    fn scratch(&self, bytes: usize) -> Result<u64> {
+    /// Scratch of at least `bytes` (partials, then coefficients), reused across calls.
+    /// The guard is held while an op queues its launches, so that two host threads
+    /// sharing this `Gpu` queue whole ops one after the other on the in-order stream and
+    /// never interleave on the scratch.
+    fn scratch(
+        &self,
+        bytes: usize,
+    ) -> Result<(std::sync::MutexGuard<'_, Option<CudaSlice<u8>>>, u64)> {
         let mut s = self
             .scratch
             .lock()
@@ -552,9 +557,11 @@ impl Gpu {
             let raw = unsafe { self.stream.alloc::<u8>(bytes.max(1 << 16)) }.map_err(device_err)?;
             *s = Some(raw);
         }
-        let buf = s.as_ref().ok_or_else(|| device_err("no scratch"))?;
-        let (p, _sync) = buf.device_ptr(&self.stream);
-        Ok(p)
+        let p = match s.as_ref() {
+            Some(buf) => buf.device_ptr(&self.stream).0,
+            None => return Err(device_err("no scratch")),
+        };
+        Ok((s, p))
     }
 
     fn run<'a>(
@@ -662,7 +669,7 @@ impl Gpu {
                     Some(self.group_bytes),
                 );
                 let part_bytes = c * plan.chunks as usize * MOM_BYTES;
-                let base = self.scratch(part_bytes + 12 * c)?;
+                let (_lock, base) = self.scratch(part_bytes + 12 * c)?;
                 let (part, coef) = (base, base + part_bytes as u64);
                 let stats = k.get(&Self::kernel_name("stats", &plan, elem))?;
                 let apply = k.get(&Self::kernel_name("apply", &plan, elem))?;
@@ -814,7 +821,7 @@ impl Gpu {
         let group = i.training.then_some(self.group_bytes);
         let plan = launch::plan(g.outer, g.channels, g.inner, elem, inputs, group);
         let part_bytes = c * plan.chunks as usize * SUM2_BYTES;
-        let base = self.scratch(part_bytes + 12 * c)?;
+        let (_lock, base) = self.scratch(part_bytes + 12 * c)?;
         let (part, coef) = (base, base + part_bytes as u64);
         let reduce = k.get(&Self::kernel_name("reduce", &plan, elem))?;
         let fin = k.get("fbn_bwd_finalize")?;
