@@ -87,6 +87,13 @@ pub enum Error {
         /// What went wrong, naming the ranks.
         reason: String,
     },
+    /// The GPU backend could not run: no driver or device, a failed compile, launch or
+    /// copy (feature `cuda`).
+    #[error("CUDA: {what}")]
+    Device {
+        /// What failed.
+        what: String,
+    },
 }
 
 impl Error {

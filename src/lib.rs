@@ -55,6 +55,8 @@
 #![warn(missing_docs)]
 
 pub mod batch_norm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod driver;
 pub mod element;
 pub mod error;

@@ -322,7 +322,14 @@ impl Op {
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
     pub fn run_with_isa(self, inputs: &Inputs<'_>, attrs: &Attrs, isa: Isa) -> Result<Outputs> {
-        self.run_in(inputs, attrs, isa, None)
+        self.run_on(inputs, attrs, &Backend::Cpu(isa))
+    }
+
+    /// [`Op::run`] on a [`Backend`]: the CPU with an instruction set, or (feature
+    /// `cuda`) a GPU. Validation, empty-tensor rules and outputs are the same; the
+    /// second-order ops run on the CPU only.
+    pub fn run_on(self, inputs: &Inputs<'_>, attrs: &Attrs, backend: &Backend) -> Result<Outputs> {
+        self.run_in(inputs, attrs, backend, None)
     }
 
     /// [`Op::run`] on this rank's shard of a batch split across the ranks of `comm`
@@ -386,7 +393,8 @@ impl Op {
             op: tag,
             joined: Cell::new(false),
         };
-        let result = self.run_in(inputs, attrs, Isa::default_isa(), Some(&ctx));
+        let cpu = Backend::Cpu(Isa::default_isa());
+        let result = self.run_in(inputs, attrs, &cpu, Some(&ctx));
         match result {
             Err(e) if !ctx.joined.get() => Err(sync::fail_step(comm, e)),
             r => r,
@@ -397,7 +405,7 @@ impl Op {
         self,
         inputs: &Inputs<'_>,
         attrs: &Attrs,
-        isa: Isa,
+        backend: &Backend,
         sync: Option<&SyncCtx<'_>>,
     ) -> Result<Outputs> {
         for (name, _) in &inputs.entries {
@@ -420,11 +428,19 @@ impl Op {
             ));
         }
         if self.is_second_order() {
-            self.run_second_order(inputs, attrs, isa)
+            match backend {
+                Backend::Cpu(isa) => self.run_second_order(inputs, attrs, *isa),
+                #[cfg(feature = "cuda")]
+                Backend::Cuda(_) => Err(Error::arg(
+                    "backend",
+                    "the CPU for the second-order ops",
+                    "CUDA",
+                )),
+            }
         } else if self.is_gradient() {
-            self.run_gradient(inputs, attrs, isa, sync)
+            self.run_gradient(inputs, attrs, backend, sync)
         } else {
-            self.run_forward(inputs, attrs, isa, sync)
+            self.run_forward(inputs, attrs, backend, sync)
         }
     }
 
@@ -440,7 +456,7 @@ impl Op {
         self,
         inputs: &Inputs<'_>,
         attrs: &Attrs,
-        isa: Isa,
+        backend: &Backend,
         sync: Option<&SyncCtx<'_>>,
     ) -> Result<Outputs> {
         let x = self.required(inputs, "x", "always required")?;
@@ -473,7 +489,7 @@ impl Op {
         // Rules 3-4: sizes.
         let problem = Problem::new(attrs.data_format, x.shape())?
             .with_epsilon(attrs.epsilon)
-            .with_isa(isa)?;
+            .with_isa(backend.isa())?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         check_channels("offset", offset, c)?;
@@ -525,10 +541,38 @@ impl Op {
             None
         };
         let mut out = match x.dtype() {
-            DType::F16 => forward::<f16>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
-            DType::BF16 => forward::<bf16>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
-            DType::F32 => forward::<f32>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
-            DType::F64 => forward::<f64>(&problem, [x, scale, offset], stats, ex, attrs, sync)?,
+            DType::F16 => forward::<f16>(
+                &problem,
+                [x, scale, offset],
+                stats,
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::BF16 => forward::<bf16>(
+                &problem,
+                [x, scale, offset],
+                stats,
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::F32 => forward::<f32>(
+                &problem,
+                [x, scale, offset],
+                stats,
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::F64 => forward::<f64>(
+                &problem,
+                [x, scale, offset],
+                stats,
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
         };
         if self.version() == 3 {
             out.push(Tensor::empty(u));
@@ -540,7 +584,7 @@ impl Op {
         self,
         inputs: &Inputs<'_>,
         attrs: &Attrs,
-        isa: Isa,
+        backend: &Backend,
         sync: Option<&SyncCtx<'_>>,
     ) -> Result<Outputs> {
         let dy = self.required(inputs, "y_backprop", "always required")?;
@@ -580,7 +624,7 @@ impl Op {
         // Rules 3 and 5: sizes.
         let problem = Problem::new(attrs.data_format, x.shape())?
             .with_epsilon(attrs.epsilon)
-            .with_isa(isa)?;
+            .with_isa(backend.isa())?;
         let c = problem.channels();
         check_channels("scale", scale, c)?;
         if dy.shape() != x.shape() {
@@ -629,10 +673,34 @@ impl Op {
             side_grad: self.is_ex(),
         };
         let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
-            DType::BF16 => gradient::<bf16>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
-            DType::F32 => gradient::<f32>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
-            DType::F64 => gradient::<f64>(&problem, [dy, x, scale, rs1, rs2], ex, attrs, sync)?,
+            DType::F16 => gradient::<f16>(
+                &problem,
+                [dy, x, scale, rs1, rs2],
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::BF16 => gradient::<bf16>(
+                &problem,
+                [dy, x, scale, rs1, rs2],
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::F32 => gradient::<f32>(
+                &problem,
+                [dy, x, scale, rs1, rs2],
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
+            DType::F64 => gradient::<f64>(
+                &problem,
+                [dy, x, scale, rs1, rs2],
+                ex,
+                (attrs, backend),
+                sync,
+            )?,
         };
         let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
@@ -846,7 +914,7 @@ fn forward<T: Element>(
     [x, scale, offset]: [&Tensor; 3],
     stats: Option<(&Tensor, &Tensor)>,
     ex: Ex<'_>,
-    attrs: &Attrs,
+    (attrs, backend): (&Attrs, &Backend),
     sync: Option<&SyncCtx<'_>>,
 ) -> Result<Vec<Tensor>> {
     let side = match ex.side {
@@ -889,12 +957,13 @@ fn forward<T: Element>(
                 ctx.joined.set(true);
                 p.forward_sync_as(ctx.comm, ctx.op, xs, affine, stats, epilogue, &mut y)?;
             }
-            None => p.forward(xs, affine, Forward::Training(stats), epilogue, &mut y)?,
+            None => backend.forward(p, xs, affine, Forward::Training(stats), epilogue, &mut y)?,
         }
     } else {
         let (m, v) = stats.ok_or_else(|| Error::arg("mean", "a tensor in inference", "none"))?;
         let (m, v) = (typed::<T::Stat>(m)?, typed::<T::Stat>(v)?);
-        p.forward(
+        backend.forward(
+            p,
             xs,
             Affine { scale, offset },
             Forward::Inference(Statistics {
@@ -938,7 +1007,7 @@ fn gradient<T: Element>(
     p: &Problem,
     args: [&Tensor; 5],
     ex: GradEx<'_>,
-    attrs: &Attrs,
+    (attrs, backend): (&Attrs, &Backend),
     sync: Option<&SyncCtx<'_>>,
 ) -> Result<Vec<Tensor>> {
     let [dy, x, scale, rs1, rs2] = args;
@@ -993,7 +1062,7 @@ fn gradient<T: Element>(
             } else {
                 Backward::Inference(stats)
             };
-            p.backward(inputs, scale, mode, epilogue, grads)?;
+            backend.backward(p, inputs, scale, mode, epilogue, grads)?;
         }
     }
     let mut out = vec![
@@ -1049,6 +1118,65 @@ fn second_order<T: Element>(
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::vector(dscale),
     ])
+}
+
+/// Where an op runs: the CPU with an instruction set, or (feature `cuda`) a GPU.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// The CPU kernels of an instruction set.
+    Cpu(Isa),
+    /// A GPU ([`crate::cuda`]): inputs are copied to it and the outputs back.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::Gpu),
+}
+
+impl Default for Backend {
+    fn default() -> Self {
+        Backend::Cpu(Isa::default_isa())
+    }
+}
+
+impl Backend {
+    /// The CPU instruction set of the problem (the best one when on a GPU).
+    fn isa(&self) -> Isa {
+        match self {
+            Backend::Cpu(isa) => *isa,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Isa::default_isa(),
+        }
+    }
+
+    fn forward<T: Element>(
+        &self,
+        p: &Problem,
+        x: &[T],
+        affine: Affine<'_, T::Stat>,
+        mode: Forward<'_, T::Stat>,
+        epilogue: Epilogue<'_, T>,
+        y: &mut [T],
+    ) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => p.forward(x, affine, mode, epilogue, y),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => gpu.forward(p, x, affine, mode, epilogue, y),
+        }
+    }
+
+    fn backward<T: Element>(
+        &self,
+        p: &Problem,
+        inputs: GradInputs<'_, T>,
+        scale: &[T::Stat],
+        mode: Backward<'_, T::Stat>,
+        epilogue: GradEpilogue<'_, T>,
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => p.backward(inputs, scale, mode, epilogue, grads),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => gpu.backward(p, inputs, scale, mode, epilogue, grads),
+        }
+    }
 }
 
 /// The ops' attributes, with TensorFlow's defaults; built with chained setters.

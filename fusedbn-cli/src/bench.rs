@@ -144,7 +144,25 @@ pub struct BenchArgs {
     /// With --json: also every pair's times (`pairs_op_ms`, `pairs_copy_ms`, in run order)
     #[arg(long, requires = "json")]
     pub raw: bool,
+
+    /// Where the ops run: the CPU, or GPU 0 (needs a build with `--features cuda`;
+    /// shapes default to GPU.md's, times are CUDA events after an L2 flush)
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
 }
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDevice {
+    /// The CPU kernels.
+    Cpu,
+    /// The CUDA backend on GPU 0.
+    Cuda,
+}
+
+#[cfg(feature = "cuda")]
+#[path = "gpu_bench.rs"]
+mod gpu;
 
 /// The text after `fusedbn bench --help`'s options.
 fn bench_help() -> String {
@@ -621,6 +639,14 @@ impl Plan {
 
 /// Runs `fusedbn bench`.
 pub fn bench(args: &BenchArgs) -> Result<ExitCode> {
+    if args.device == BenchDevice::Cuda {
+        #[cfg(feature = "cuda")]
+        return gpu::bench(args);
+        #[cfg(not(feature = "cuda"))]
+        return Err(CliError::new(
+            "--device cuda: this fusedbn was built without the cuda feature (cargo build --release --features cuda)",
+        ));
+    }
     let isas = parse_isas(&args.isas)?;
     let thread_counts: Vec<usize> = if args.threads.is_empty() {
         vec![0]

@@ -309,7 +309,7 @@ pub(super) fn forward_coeffs<U: Real>(
 
 /// Writes the saved statistics and updates the running ones from the (global)
 /// moments: NaN everywhere when there are none (an empty batch).
-pub(super) fn write_training_stats<U: Real>(
+pub(crate) fn write_training_stats<U: Real>(
     moments: &[Moments],
     channels: usize,
     stats: TrainingStats<'_, U>,

@@ -19,8 +19,12 @@ pub struct Case {
 }
 
 /// `tests/<name>` at the workspace root (the library crate is the root; the CLI crate
-/// is one level below it).
+/// is one level below it), or under `FUSEDBN_FIXTURES_ROOT` when set (test binaries run
+/// on another machine, such as a lent GPU's, where the build's path does not exist).
 pub fn fixtures_dir(name: &str) -> PathBuf {
+    if let Some(root) = std::env::var_os("FUSEDBN_FIXTURES_ROOT") {
+        return PathBuf::from(root).join("tests").join(name);
+    }
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     let root = if here.join("tests/fixtures").is_dir() {
         here.to_path_buf()
