@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
+use burn::module::{Module, RunningState};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -76,13 +76,12 @@ fn main() {
     let x = data(1, &device);
     let x_plain = data(1, &plain);
     let cast = |bn: burn::nn::BatchNorm| {
+        let to = |t: Tensor<1>| t.cast(burn::tensor::FloatDType::from(dtype)).detach();
         let mut bn = bn;
-        bn.gamma = bn
-            .gamma
-            .map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
-        bn.beta = bn
-            .beta
-            .map(|t| t.cast(burn::tensor::FloatDType::from(dtype)));
+        bn.gamma = bn.gamma.map(|t| to(t).require_grad());
+        bn.beta = bn.beta.map(|t| to(t).require_grad());
+        bn.running_mean = RunningState::new(to(bn.running_mean.value()));
+        bn.running_var = RunningState::new(to(bn.running_var.value()));
         bn
     };
     let theirs = cast(burn::nn::BatchNormConfig::new(c).init(&device));
