@@ -50,6 +50,8 @@ fi
 
 echo "== cargo test --workspace --release"
 cargo test --workspace --release
+echo "== fusedbn-burn training example (fails if its loss trajectory parts from burn's BatchNorm)"
+cargo run --release -p fusedbn-burn --example train
 
 if [ "${FUSEDBN_SKIP_MPI:-0}" = 1 ]; then
     echo "== MPI tests skipped (FUSEDBN_SKIP_MPI=1)"
