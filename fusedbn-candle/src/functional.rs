@@ -355,3 +355,69 @@ impl Run<'_> {
         self.finish(xhat)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The fallback (candle's own ops, used off the CPU) against the fused op, on the CPU.
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let s = b.abs().unwrap().max_all().unwrap();
+        let f = |t: Tensor| t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        f(d) / f(s).max(1e-30)
+    }
+
+    #[test]
+    fn the_unfused_fallback_computes_the_same() -> Result<()> {
+        let dev = Device::Cpu;
+        let shape = (4, 3, 5, 2);
+        let x = Var::randn(1f32, 2., shape, &dev)?;
+        let side = Var::randn(0f32, 1., shape, &dev)?;
+        let w = Var::randn(1f32, 0.2, 3, &dev)?;
+        let b = Var::randn(0f32, 0.2, 3, &dev)?;
+        let (mean, var) = (
+            Tensor::new(&[0.5f32, 1., 1.5], &dev)?,
+            Tensor::new(&[1f32, 2., 3.], &dev)?,
+        );
+        let r = Tensor::randn(0f32, 1., shape, &dev)?;
+        for relu in [false, true] {
+            let run = Run {
+                x: x.as_tensor(),
+                weight: Some(w.as_tensor()),
+                bias: Some(b.as_tensor()),
+                eps: 1e-3,
+                epilogue: Epilogue {
+                    side_input: Some(side.as_tensor()),
+                    relu,
+                },
+            };
+            let fused = batch_norm_train(x.as_tensor(), Some(&w), Some(&b), 1e-3, run.epilogue)?;
+            let unfused = run.unfused_train()?;
+            assert!(rel(&fused.y, &unfused.y) < 1e-5);
+            assert!(rel(&fused.mean, &unfused.mean) < 1e-6);
+            assert!(rel(&fused.variance, &unfused.variance) < 1e-6);
+            let eval = batch_norm_eval(
+                x.as_tensor(),
+                &mean,
+                &var,
+                Some(&w),
+                Some(&b),
+                1e-3,
+                run.epilogue,
+            )?;
+            let eval_unfused = run.unfused_eval(&mean, &var)?;
+            assert!(rel(&eval, &eval_unfused) < 1e-6);
+            for (ya, yb) in [(&fused.y, &unfused.y), (&eval, &eval_unfused)] {
+                let ga = (ya * &r)?.sum_all()?.backward()?;
+                let gb = (yb * &r)?.sum_all()?.backward()?;
+                for v in [&x, &side, &w, &b] {
+                    let (p, q) = (ga.get(v).unwrap(), gb.get(v).unwrap());
+                    assert!(rel(p, q) < 1e-5, "relu={relu}: {p} vs {q}");
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -47,3 +47,8 @@ mod op;
 
 pub use functional::{batch_norm_eval, batch_norm_train, Epilogue, TrainOutput};
 pub use module::{batch_norm, BatchNorm};
+
+/// The README's example, compiled and run as a doc test.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
