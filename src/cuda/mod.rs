@@ -1026,3 +1026,34 @@ impl Gpu {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The argument structs have the sizes of their kernels.cu twins (8-byte fields
+    /// and pointers, then 4-byte ones, padded to 8).
+    #[test]
+    fn argument_structs_match_kernels_cu() {
+        assert_eq!(std::mem::size_of::<Geo>(), 8 * 8);
+        assert_eq!(std::mem::size_of::<ApplyArgs>(), 5 * 8 + 3 * 4 + 4);
+        assert_eq!(std::mem::size_of::<GradArgs>(), 9 * 8 + 2 * 4);
+        for (name, fields) in [
+            ("struct Geo {", 8),
+            ("struct ApplyArgs {", 8),
+            ("struct GradArgs {", 11),
+        ] {
+            let body = &SOURCE[SOURCE.find(name).expect(name)..];
+            let body = &body[..body.find("};").expect("end of struct")];
+            let declared: usize = body
+                .lines()
+                .skip(1)
+                .map(|l| l.split("//").next().unwrap_or(""))
+                .map(|l| {
+                    l.matches(';').count() + l.matches(',').count() * usize::from(l.contains(';'))
+                })
+                .sum();
+            assert_eq!(declared, fields, "{name}");
+        }
+    }
+}
