@@ -282,7 +282,21 @@ fn splat_body<
     F: VectorFn<N, K>,
 {
     let pf = next.map_or(std::ptr::null(), |p| p.as_ptr());
-    for j in 0..w.vectors() {
+    // Two vectors per step, stored together (one narrowing for both where the ISA
+    // packs pairs), then an odd last one.
+    let total = w.vectors();
+    for i in 0..total / 2 {
+        let j = 2 * i;
+        if PREFETCH {
+            s.prefetch_ptr(pf.wrapping_add(j * S::LANES));
+            s.prefetch_ptr(pf.wrapping_add((j + 1) * S::LANES));
+        }
+        let a = f.eval(s, w.load(s, j), k);
+        let b = f.eval(s, w.load(s, j + 1), k);
+        w.store2::<S, STREAM>(s, j, a, b);
+    }
+    if total % 2 == 1 {
+        let j = total - 1;
         if PREFETCH {
             s.prefetch_ptr(pf.wrapping_add(j * S::LANES));
         }
@@ -388,7 +402,15 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
     let mut j0 = 0;
     while j0 < total {
         let m = per.min(total - j0);
-        for q in 0..m {
+        // Pairs stored together (see `splat_body`), then an odd last vector.
+        for i in 0..m / 2 {
+            let q = 2 * i;
+            let a = f.eval(s, w.load(s, j0 + q), consts.load(s, q));
+            let b = f.eval(s, w.load(s, j0 + q + 1), consts.load(s, q + 1));
+            w.store2::<S, STREAM>(s, j0 + q, a, b);
+        }
+        if m % 2 == 1 {
+            let q = m - 1;
             let v = f.eval(s, w.load(s, j0 + q), consts.load(s, q));
             w.store::<S, STREAM>(s, j0 + q, v);
         }

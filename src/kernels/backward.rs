@@ -367,7 +367,16 @@ fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const ST
     b: &mut [S::V],
 ) {
     let (a, b) = (&mut a[..w.vectors()], &mut b[..w.vectors()]);
-    for g in 0..w.vectors() {
+    let total = w.vectors();
+    for i in 0..total / 2 {
+        let g = 2 * i;
+        let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
+        let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
+        let e = fold(s, &w.load(s, g + 1), mw, &mut a[g + 1], &mut b[g + 1]);
+        w.store2::<S, STREAM>(s, g, s.mul(d, kv), s.mul(e, kw));
+    }
+    if total % 2 == 1 {
+        let g = total - 1;
         let [mv, kv] = consts.load(s, g);
         let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
         w.store::<S, STREAM>(s, g, s.mul(d, kv));

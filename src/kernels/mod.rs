@@ -46,11 +46,12 @@ pub const PARALLEL_MIN: usize = 1 << 15;
 /// resident in L2 (1 MiB per core on the machines we target; measured: a 802 KB
 /// channel went from 1.7× to 1.1× copy time when it was allowed to stay resident).
 pub const RESIDENT_BYTES: usize = 4 << 20;
-/// Outputs of at least this many bytes — and at least the size of the last-level cache
-/// ([`llc_bytes`]) — are written with non-temporal stores: they would only evict the
-/// inputs from the cache. (Measured on a 32 MiB-L3 Zen 3: a 26 MB bf16 output was
-/// faster with ordinary stores, a 103 MB one 6–25 % faster streamed; f32 outputs of
-/// 51 MB were 25 % faster streamed.)
+/// Outputs of at least this many bytes, whose pass also reads an input as large — so
+/// that input and output together exceed the last-level cache ([`llc_bytes`]) — are
+/// written with non-temporal stores: ordinary stores would read each output line first
+/// and then evict the input. (Measured on a 32 MiB-L3 Zen 3, 16x56x56x256 f16, 26 MB
+/// out: forward inference 1.16-1.23 -> 0.90-0.94 of a copy, backward inference
+/// 1.04-1.06 -> 0.89-0.92; f32 outputs of 51 MB were 25 % faster streamed.)
 pub const STREAM_BYTES: usize = 16 << 20;
 
 /// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
@@ -156,9 +157,12 @@ impl Geometry {
         self.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1
     }
 
-    /// Whether an output of this geometry with elements of `size` bytes is streamed.
+    /// Whether an output of this geometry with elements of `size` bytes is streamed:
+    /// the output and an input of the same size do not fit the last-level cache
+    /// together (see [`STREAM_BYTES`]).
     pub(crate) fn stream(&self, size: usize) -> bool {
-        self.len() * size >= STREAM_BYTES.max(llc_bytes())
+        let bytes = self.len() * size;
+        bytes >= STREAM_BYTES && 2 * bytes >= llc_bytes()
     }
 
     /// As [`Geometry::stream`], for the output of an L2-resident pass (channel-major

@@ -26,16 +26,30 @@ const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
 
 #[inline(always)]
 unsafe fn to_bf16(v: __m256) -> __m128i {
+    let out = round_bf16(v);
+    // Pack the eight 32-bit values (each < 2^16) to 16 bits, in order.
+    let packed = _mm256_packus_epi32(out, out);
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b11_01_10_00>(packed))
+}
+
+/// Two vectors to sixteen bf16 (`a` first): [`to_bf16`]'s rounding on each, then one
+/// pack and one permute for both (measured in cache: 16 -> 19 GB/s a core).
+#[inline(always)]
+unsafe fn to_bf16x2(a: __m256, b: __m256) -> __m256i {
+    let (ra, rb) = (round_bf16(a), round_bf16(b));
+    _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(ra, rb))
+}
+
+/// The bf16 bits of each lane, in the low 16 bits of its 32-bit lane.
+#[inline(always)]
+unsafe fn round_bf16(v: __m256) -> __m256i {
     let bits = _mm256_castps_si256(v);
     let hi = _mm256_srli_epi32::<16>(bits);
     let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
     let rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
     let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
     let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-    let out = _mm256_blendv_epi8(_mm256_srli_epi32::<16>(rounded), quiet, nan);
-    // Pack the eight 32-bit values (each < 2^16) to 16 bits, in order.
-    let packed = _mm256_packus_epi32(out, out);
-    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b11_01_10_00>(packed))
+    _mm256_blendv_epi8(_mm256_srli_epi32::<16>(rounded), quiet, nan)
 }
 
 #[inline(always)]
@@ -155,6 +169,38 @@ impl Simd<f32> for Avx2 {
                 DType::F16 => _mm_stream_si128(p.cast(), _mm256_cvtps_ph::<RNE>(v)),
                 DType::BF16 => _mm_stream_si128(p.cast(), to_bf16(v)),
                 _ => _mm256_stream_ps(p.cast(), v),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store2_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`.
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => _mm256_storeu_si256(p.cast(), to_bf16x2(a, b)),
+                _ => {
+                    self.store_ptr(p, a);
+                    self.store_ptr(p.add(L), b);
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn stream2_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 8
+        // elements: two 16-byte non-temporal stores, each aligned (p may not be
+        // 32-byte aligned, so not one 32-byte store).
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    let v = to_bf16x2(a, b);
+                    _mm_stream_si128(p.cast(), _mm256_castsi256_si128(v));
+                    _mm_stream_si128(p.add(L).cast(), _mm256_extracti128_si256::<1>(v));
+                }
+                _ => {
+                    self.stream_ptr(p, a);
+                    self.stream_ptr(p.add(L), b);
+                }
             }
         }
     }

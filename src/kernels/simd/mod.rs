@@ -218,6 +218,31 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         // SAFETY: the caller's guarantee covers an ordinary store.
         unsafe { self.store_ptr(p, v) }
     }
+    /// Stores two vectors, `2·LANES` elements, at `p` (`a` first): one narrowing for
+    /// both where the ISA packs two vectors at once (AVX2 bf16).
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `2·LANES` elements.
+    #[inline(always)]
+    unsafe fn store2_ptr<T: Element<Stat = U>>(self, p: *mut T, a: Self::V, b: Self::V) {
+        // SAFETY: the caller's guarantee covers both halves.
+        unsafe {
+            self.store_ptr(p, a);
+            self.store_ptr(p.add(Self::LANES), b);
+        }
+    }
+    /// As [`Simd::store2_ptr`], non-temporal.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `2·LANES` elements and aligned to `LANES` elements.
+    #[inline(always)]
+    unsafe fn stream2_ptr<T: Element<Stat = U>>(self, p: *mut T, a: Self::V, b: Self::V) {
+        // SAFETY: the caller's guarantee covers both halves, each aligned.
+        unsafe {
+            self.stream_ptr(p, a);
+            self.stream_ptr(p.add(Self::LANES), b);
+        }
+    }
     /// Loads `LANES` elements (`src.len() >= LANES`).
     #[inline(always)]
     fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V {
@@ -416,6 +441,29 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         }
     }
 
+    /// Writes vectors `j` and `j + 1` of the output (see [`Simd::store2_ptr`]).
+    #[inline(always)]
+    pub fn store2<S: Simd<T::Stat>, const STREAM: bool>(
+        &mut self,
+        s: S,
+        j: usize,
+        a: S::V,
+        b: S::V,
+    ) {
+        assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
+        // SAFETY: `(j + 2)·lanes <= len = out.len()`, and the output is borrowed mutably
+        // for the life of `self`; streaming is asked for only after `aligned()`.
+        unsafe {
+            let p = self.out.add(j * self.reads.lanes);
+            if STREAM {
+                debug_assert!(self.aligned());
+                s.stream2_ptr(p, a, b)
+            } else {
+                s.store2_ptr(p, a, b)
+            }
+        }
+    }
+
     /// The elements after the whole vectors: `(first index, count < LANES)`.
     #[inline(always)]
     pub fn tail(&self) -> (usize, usize) {
@@ -557,6 +605,69 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Narrows `src` two vectors at a time with [`Simd::store2_ptr`] and, into a
+    /// vector-aligned buffer, [`Simd::stream2_ptr`].
+    struct Pairs<'a, T> {
+        src: &'a [f32],
+        stored: &'a mut [T],
+        streamed: &'a mut [T],
+    }
+
+    impl<T: Element<Stat = f32>> Kernel<f32> for Pairs<'_, T> {
+        type Output = ();
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) {
+            let l = S::LANES;
+            let n = self.src.len() / (2 * l) * (2 * l);
+            assert!(self.stored.len() >= n && self.streamed.len() >= n);
+            let head = self.streamed.as_ptr().align_offset(l * size_of::<T>());
+            assert!(self.streamed.len() >= head + n);
+            for i in (0..n).step_by(2 * l) {
+                let (a, b) = (s.load(&self.src[i..]), s.load(&self.src[i + l..]));
+                // SAFETY: `i + 2·l <= n` elements fit both outputs (asserted above);
+                // `streamed` from `head` on is aligned to `l` elements.
+                unsafe {
+                    s.store2_ptr(self.stored.as_mut_ptr().add(i), a, b);
+                    s.stream2_ptr(self.streamed.as_mut_ptr().add(head + i), a, b);
+                }
+            }
+            s.fence();
+        }
+    }
+
+    fn pairs<T: Element<Stat = f32> + PartialEq>(to_bits: fn(T) -> u16) {
+        let src = awkward();
+        for isa in Isa::supported() {
+            let mut stored = vec![T::default(); src.len()];
+            let mut streamed = vec![T::default(); src.len() + 16];
+            isa.run(Pairs {
+                src: &src,
+                stored: &mut stored,
+                streamed: &mut streamed,
+            });
+            let lanes = if isa == Isa::Avx512 { 16 } else { 8 };
+            let n = src.len() / (2 * lanes) * (2 * lanes);
+            let head = streamed.as_ptr().align_offset(lanes * size_of::<T>());
+            for i in 0..n {
+                let want = to_bits(T::narrow(src[i]));
+                assert_eq!(to_bits(stored[i]), want, "{isa} store2 element {i}");
+                assert_eq!(
+                    to_bits(streamed[head + i]),
+                    want,
+                    "{isa} stream2 element {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn pair_stores_round_like_single_ones() {
+        pairs::<f16>(f16::to_bits);
+        pairs::<bf16>(bf16::to_bits);
+        pairs::<f32>(|v| (v.to_bits() >> 16) as u16);
+        pairs::<f32>(|v| v.to_bits() as u16);
     }
 
     /// Writes `v` partially into `buf[1..1 + n]` on one ISA.
