@@ -174,8 +174,9 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             }
         } else {
             let c = g.channels;
+            // The channel advances with the row, wrapping by a test, not a division.
+            let mut ch = self.row0 % c.max(1);
             for (r, out) in self.out.chunks_exact_mut(g.inner).enumerate() {
-                let ch = (self.row0 + r) % c;
                 let ins = self.ins.map(|x| &x[r * g.inner..][..g.inner]);
                 let mut kv = [T::Stat::ZERO; K];
                 for (v, k) in kv.iter_mut().zip(self.consts) {
@@ -183,6 +184,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                 }
                 let k = splat_n(s, kv);
                 run_splat(s, ins, out, k, self.stream, &self.f, None);
+                ch = if ch + 1 == c { 0 } else { ch + 1 };
             }
         }
         if self.stream {

@@ -389,8 +389,11 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
         } else {
             let n = geo.inner;
             let rows = dg.chunks_exact_mut(n).zip(dx.chunks_exact_mut(n));
+            let c = geo.channels;
+            let mut ch = self.row0 % c.max(1);
             for (r, (dg, dx)) in rows.enumerate() {
-                let kv = splat_n(s, self.k[(self.row0 + r) % geo.channels].array());
+                let kv = splat_n(s, self.k[ch].array());
+                ch = if ch + 1 == c { 0 } else { ch + 1 };
                 let ins = window(self.ins, r * n, n);
                 let rd = Reads::new(l, ins, n);
                 let (at, m) = rd.tail();

@@ -289,9 +289,13 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
                 first = false;
                 let sums = &mut acc[..sets * groups];
                 sums.fill(zero);
-                for (i, px) in tile.chunks_exact(c).enumerate() {
-                    let a = &mut sums[(i % sets) * groups..][..groups];
+                // The set cycles by a counter, not `i % sets`: a division per pixel
+                // was a tenth of the time of C ≤ 64.
+                let mut set = 0;
+                for px in tile.chunks_exact(c) {
+                    let a = &mut sums[set * groups..][..groups];
                     accumulate(s, px, a);
+                    set = if set + 1 == sets { 0 } else { set + 1 };
                 }
                 let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
                 for (g, p) in pivot.iter_mut().enumerate() {
@@ -386,8 +390,10 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     v1.fill(zero);
     v2.fill(zero);
     let pivot = &pivot[..groups];
-    for (i, px) in tile.chunks_exact(c).enumerate() {
-        let k = (i % sets) * groups;
+    let mut set = 0;
+    for px in tile.chunks_exact(c) {
+        let k = set * groups;
+        set = if set + 1 == sets { 0 } else { set + 1 };
         let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
         let r = Reads::new(l, [px], c);
         for g in 0..r.vectors().min(groups) {
