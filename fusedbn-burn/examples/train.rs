@@ -155,3 +155,8 @@ fn main() {
         fused_losses[STEPS - 1]
     );
 }
+
+#[test]
+fn loss_trajectories_match_burn_batch_norm() {
+    main();
+}
