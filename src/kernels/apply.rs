@@ -14,7 +14,7 @@
 use std::mem::size_of;
 
 use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
-use super::{for_each_row_chunk, Geometry, MAX_PERIOD};
+use super::{for_each_row_chunk, next_cyclic, Geometry, MAX_PERIOD};
 use crate::element::{Element, Real};
 
 /// What the forward pass does after the affine map: add an optional residual
@@ -174,7 +174,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             }
         } else {
             let c = g.channels;
-            // The channel advances with the row, wrapping by a test, not a division.
+            // The channel advances with the row (no division per row).
             let mut ch = self.row0 % c.max(1);
             for (r, out) in self.out.chunks_exact_mut(g.inner).enumerate() {
                 let ins = self.ins.map(|x| &x[r * g.inner..][..g.inner]);
@@ -184,7 +184,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                 }
                 let k = splat_n(s, kv);
                 run_splat(s, ins, out, k, self.stream, &self.f, None);
-                ch = if ch + 1 == c { 0 } else { ch + 1 };
+                ch = next_cyclic(ch, c);
             }
         }
         if self.stream {

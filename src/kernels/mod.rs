@@ -78,6 +78,17 @@ pub fn llc_bytes() -> usize {
     })
 }
 
+/// `i + 1`, wrapping to 0 at `n`: the index of a cyclic walk (channel of the next row,
+/// accumulator set of the next pixel) without a division per step.
+#[inline(always)]
+pub(crate) fn next_cyclic(i: usize, n: usize) -> usize {
+    if i + 1 >= n {
+        0
+    } else {
+        i + 1
+    }
+}
+
 /// `"32768K"`, `"1M"` or `"512"` in bytes.
 fn parse_size(v: &str) -> Option<usize> {
     let (num, mul) = match v.as_bytes().last()? {

@@ -15,8 +15,8 @@ use rayon::prelude::*;
 
 use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
-    channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
-    ChannelMajorSplit, ChannelTask, Geometry, TASK,
+    channel_tiles, map_tasks, merge_channel_results, next_cyclic, pixels_per_reduce_task,
+    pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, TASK,
 };
 use crate::element::{Element, Real};
 
@@ -393,7 +393,7 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
             let mut ch = self.row0 % c.max(1);
             for (r, (dg, dx)) in rows.enumerate() {
                 let kv = splat_n(s, self.k[ch].array());
-                ch = if ch + 1 == c { 0 } else { ch + 1 };
+                ch = next_cyclic(ch, c);
                 let ins = window(self.ins, r * n, n);
                 let rd = Reads::new(l, ins, n);
                 let (at, m) = rd.tail();
