@@ -821,6 +821,94 @@ fn spec7_statistics_with_drifting_data() {
     }
 }
 
+/// A channels-last task takes its first pivots from its first 16 pixels. Where those
+/// pixels are unlike the rest of the first tile (here, in some channels, 0 against
+/// 10⁴ ± 1 after them; in one channel a NaN among them), the results must not depend
+/// on that choice: every channel but the NaN one as exact as the f64 reference, the NaN
+/// one NaN.
+#[test]
+fn spec7_statistics_first_pixels_unlike_the_rest() {
+    use fusedbn::Isa;
+    let mut rng = common::Rng::new(11);
+    // C = 40: five vectors of 8 lanes, or two of 16 and a partial one.
+    let (pixels, c) = (3000usize, 40usize);
+    for nan in [false, true] {
+        let x: Vec<f32> = (0..pixels * c)
+            .map(|i| {
+                let (p, ch) = (i / c, i % c);
+                if nan && ch == 7 && p == 3 {
+                    f32::NAN
+                } else if ch % 3 == 0 && p < 16 {
+                    rng.normal() as f32
+                } else {
+                    (1e4 + rng.normal()) as f32
+                }
+            })
+            .collect();
+        let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let shape = [1, 1, pixels, c];
+        let (ones, zeros) = (vec![1.0; c], vec![0.0; c]);
+        let rp = Problem::new(DataFormat::Nhwc, &shape)
+            .unwrap()
+            .with_epsilon(1e-3);
+        let r = fusedbn::reference::forward(
+            &rp,
+            &xs,
+            Affine {
+                scale: &ones,
+                offset: &zeros,
+            },
+            fusedbn::reference::ForwardMode::Training {
+                running: None,
+                factor: 1.0,
+            },
+        );
+        for isa in Isa::supported() {
+            let p = Problem::new(DataFormat::Nhwc, &shape)
+                .unwrap()
+                .with_isa(isa)
+                .unwrap();
+            let mut y = vec![0f32; x.len()];
+            let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+            let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
+            p.forward(
+                &x,
+                Affine {
+                    scale: &scale,
+                    offset: &offset,
+                },
+                Forward::Training(TrainingStats {
+                    saved: SavedStats {
+                        mean: &mut mu,
+                        variance: &mut var,
+                    },
+                    running: None,
+                }),
+                Epilogue::plain(),
+                &mut y,
+            )
+            .unwrap();
+            for ch in 0..c {
+                if nan && ch == 7 {
+                    assert!(mu[ch].is_nan() && var[ch].is_nan(), "{isa} NaN channel");
+                    continue;
+                }
+                let (m, v) = (r.reserve_space_1[ch], r.reserve_space_2[ch]);
+                assert!(
+                    (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
+                    "{isa} nan={nan} channel {ch}: mean {} vs {m}",
+                    mu[ch]
+                );
+                assert!(
+                    (var[ch] as f64 - v).abs() <= 1e-5 * v,
+                    "{isa} nan={nan} channel {ch}: var {} vs {v}",
+                    var[ch]
+                );
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------- Ex ops
 
 #[test]

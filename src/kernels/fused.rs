@@ -27,22 +27,10 @@ use super::backward::{
 use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, merge_channel_results, pixels_per_reduce_task, ChannelMajorSplit, ChannelTask, Geometry,
-    RESIDENT_BYTES, TASK, TILE,
+    apply, merge_channel_results, pixels_per_reduce_task, ChannelMajorSplit, Geometry, TaskRows,
+    RESIDENT_BYTES, TILE,
 };
 use crate::element::{Element, Real};
-
-/// The rows of each channel of a channel-major tensor: `rows[c][o]` is `inner`
-/// elements at outer index `o`.
-fn channel_rows_mut<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<Vec<&'a mut [T]>> {
-    let mut rows: Vec<Vec<&mut [T]>> = (0..g.channels)
-        .map(|_| Vec::with_capacity(g.outer))
-        .collect();
-    for (r, row) in out.chunks_mut(g.inner).enumerate() {
-        rows[r % g.channels].push(row);
-    }
-    rows
-}
 
 /// Maps `f` over owned items (in parallel when `g` is large), results in order.
 fn map_items<I: Send, R: Send>(
@@ -63,20 +51,6 @@ fn map_items<I: Send, R: Send>(
             .map(|(i, v)| f(i, v))
             .collect()
     }
-}
-
-/// Groups of whole channels of about [`TASK`] elements, each with the rows of its
-/// channels (`rows[i][o]` belongs to channel `c0 + i`).
-type ChannelGroup<'a, T> = (usize, Vec<Vec<&'a mut [T]>>);
-
-fn channel_groups<'a, T>(g: &Geometry, out: &'a mut [T]) -> Vec<ChannelGroup<'a, T>> {
-    let per_group = (TASK / g.per_channel().max(1)).max(1);
-    let mut groups = Vec::new();
-    let mut rows = channel_rows_mut(g, out).into_iter();
-    for c0 in (0..g.channels).step_by(per_group) {
-        groups.push((c0, rows.by_ref().take(per_group).collect()));
-    }
-    groups
 }
 
 /// The rows of channel `c` at outer index `o` of each input.
@@ -107,8 +81,7 @@ fn next_channel_row<'a, T>(g: &Geometry, x: &'a [T], c: usize, o: usize) -> Opti
 struct ResidentForward<'a, T: Element, C, F, const N: usize> {
     g: &'a Geometry,
     ins: [&'a [T]; N],
-    c0: usize,
-    rows: Vec<Vec<&'a mut [T]>>,
+    rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
     f: F,
@@ -122,18 +95,18 @@ where
     type Output = Vec<Moments>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Moments> {
-        let g = self.g;
-        let mut out = Vec::with_capacity(self.rows.len());
-        for (i, rows) in self.rows.into_iter().enumerate() {
-            let c = self.c0 + i;
+        let (g, mut rows) = (self.g, self.rows);
+        let t = rows.task;
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for c in t.c0..t.c1 {
             let m = stats::channel_rows_in(s, g, self.ins[0], c, 0, g.outer);
             let k = splat_n(s, (self.coeffs)(c, m));
-            for (o, y) in rows.into_iter().enumerate() {
+            for o in 0..g.outer {
                 let next = next_channel_row(g, self.ins[0], c, o);
                 run_splat(
                     s,
                     row_of(g, &self.ins, c, o),
-                    y,
+                    rows.row(c, o),
                     k,
                     self.stream,
                     &self.f,
@@ -155,8 +128,7 @@ struct ResidentBackward<'a, T: Element, C, F, const N: usize> {
     g: &'a Geometry,
     ins: [&'a [T]; N],
     mean: &'a [T::Stat],
-    c0: usize,
-    rows: Vec<Vec<&'a mut [T]>>,
+    rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
     f: F,
@@ -170,23 +142,23 @@ where
     type Output = Vec<(f64, f64)>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
-        let g = self.g;
+        let (g, mut rows) = (self.g, self.rows);
+        let t = rows.task;
         let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
-        let mut out = Vec::with_capacity(self.rows.len());
-        for (i, rows) in self.rows.into_iter().enumerate() {
-            let c = self.c0 + i;
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for c in t.c0..t.c1 {
             let data = GradData { dy, mask, x };
             let (sdy, sdx) = backward::channel_rows_in(s, g, data, self.mean[c], c, 0..g.outer);
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
-            for (o, dx) in rows.into_iter().enumerate() {
+            for o in 0..g.outer {
                 // One prefetch per vector, for x of the next channel only (dy of the
                 // next channel is not prefetched).
                 let next = next_channel_row(g, self.ins[1], c, o);
                 run_splat(
                     s,
                     row_of(g, &self.ins, c, o),
-                    dx,
+                    rows.row(c, o),
                     k,
                     self.stream,
                     &self.f,
@@ -251,13 +223,13 @@ where
     F: VectorFn<N, 3> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
-    map_items(g, channel_groups(g, y), |_, (c0, rows)| {
+    let split = ChannelMajorSplit::whole_channels(g);
+    map_items(g, split.rows_mut(g, y), |_, rows| {
         T::Stat::dispatch(
             isa,
             ResidentForward {
                 g,
                 ins,
-                c0,
                 rows,
                 coeffs,
                 stream,
@@ -313,14 +285,14 @@ where
     F: VectorFn<N, 4> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
-    map_items(g, channel_groups(g, dx), |_, (c0, rows)| {
+    let split = ChannelMajorSplit::whole_channels(g);
+    map_items(g, split.rows_mut(g, dx), |_, rows| {
         T::Stat::dispatch(
             isa,
             ResidentBackward {
                 g,
                 ins,
                 mean,
-                c0,
                 rows,
                 coeffs,
                 stream,
@@ -367,27 +339,14 @@ pub fn backward_inference<T: Element>(
         });
         BackwardSums::total(c, &partials)
     } else {
-        let tasks = ChannelMajorSplit::new(g).tasks(g);
+        let split = ChannelMajorSplit::new(g);
+        let tasks = split.tasks(g);
         let stream = g.stream(size_of::<T>());
-        let mut rows: Vec<_> = channel_rows_mut(g, dx)
-            .into_iter()
-            .map(|r| r.into_iter())
-            .collect();
-        let items: Vec<(ChannelTask, Vec<Vec<&mut [T]>>)> = tasks
-            .iter()
-            .map(|t| {
-                let rows = (t.c0..t.c1)
-                    .map(|c| rows[c].by_ref().take(t.o1 - t.o0).collect())
-                    .collect();
-                (*t, rows)
-            })
-            .collect();
-        let partials = map_items(g, items, |_, (task, rows)| {
+        let partials = map_items(g, split.rows_mut(g, dx), |_, rows| {
             T::Stat::dispatch(
                 isa,
                 InferenceRows {
                     g,
-                    task,
                     dy,
                     mask,
                     x,
@@ -407,13 +366,12 @@ pub fn backward_inference<T: Element>(
 /// flushed to `f64` every [`TILE`] elements, and `dx = dy·k1`.
 struct InferenceRows<'a, T: Element> {
     g: &'a Geometry,
-    task: ChannelTask,
     dy: &'a [T],
     mask: Option<&'a [T]>,
     x: &'a [T],
     mean: &'a [T::Stat],
     k1: &'a [T::Stat],
-    rows: Vec<Vec<&'a mut [T]>>,
+    rows: TaskRows<'a, T>,
     stream: bool,
 }
 
@@ -421,16 +379,17 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
     type Output = Vec<(f64, f64)>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
-        let (g, t) = (self.g, self.task);
+        let (g, mut rows) = (self.g, self.rows);
+        let t = rows.task;
         let zero = s.splat(T::Stat::ZERO);
         let mut out = Vec::with_capacity(t.c1 - t.c0);
-        for (i, rows) in self.rows.into_iter().enumerate() {
-            let c = t.c0 + i;
+        for c in t.c0..t.c1 {
             let (m, k1) = (s.splat(self.mean[c]), s.splat(self.k1[c]));
             let (mut acc, mut pending) = ((zero, zero), 0);
             let (mut sdy, mut sdx) = (0f64, 0f64);
-            for (j, dx) in rows.into_iter().enumerate() {
-                let off = ((t.o0 + j) * g.channels + c) * g.inner;
+            for o in t.o0..t.o1 {
+                let dx = rows.row(c, o);
+                let off = (o * g.channels + c) * g.inner;
                 // A row may be far longer than a tile (one image of 2048×2048): cut it
                 // where the running count reaches TILE, so no f32 lane ever sums more
                 // than TILE / LANES values, whatever the shape.

@@ -269,6 +269,52 @@ impl ChannelMajorSplit {
         }
     }
 
+    /// Whole channels only, about [`TASK`] elements a task (at least one channel): the
+    /// split of the passes that keep a channel resident in L2 from its reduction to its
+    /// output.
+    pub fn whole_channels(g: &Geometry) -> Self {
+        ChannelMajorSplit {
+            channels_per_task: (TASK / g.per_channel().max(1)).max(1),
+            rows_per_task: g.outer.max(1),
+            chunks: 1,
+        }
+    }
+
+    /// The tasks with the output rows of each (`out` is a tensor of geometry `g`): one
+    /// walk over the rows and one vector per task — not one per channel, which cost more
+    /// than the arithmetic on small tensors (2048 allocations at 16x2048x7x7).
+    pub fn rows_mut<'a, T>(&self, g: &Geometry, out: &'a mut [T]) -> Vec<TaskRows<'a, T>> {
+        let tasks = self.tasks(g);
+        let mut rows: Vec<Vec<&mut [T]>> = tasks
+            .iter()
+            .map(|t| Vec::with_capacity((t.c1 - t.c0) * (t.o1 - t.o0)))
+            .collect();
+        // Row r is channel r mod C of outer index r / C; its task is
+        // (c / channels_per_task)·chunks + o / rows_per_task, tracked by counters.
+        let (mut c, mut group, mut in_group) = (0, 0, 0);
+        let (mut chunk, mut in_chunk) = (0, 0);
+        for row in out.chunks_mut(g.inner.max(1)) {
+            rows[group * self.chunks + chunk].push(row);
+            c += 1;
+            in_group += 1;
+            if in_group == self.channels_per_task {
+                (group, in_group) = (group + 1, 0);
+            }
+            if c == g.channels {
+                (c, group, in_group) = (0, 0, 0);
+                in_chunk += 1;
+                if in_chunk == self.rows_per_task {
+                    (chunk, in_chunk) = (chunk + 1, 0);
+                }
+            }
+        }
+        tasks
+            .into_iter()
+            .zip(rows)
+            .map(|(task, rows)| TaskRows { task, rows })
+            .collect()
+    }
+
     /// The tasks, channel-major: all chunks of a channel are consecutive.
     pub fn tasks(&self, g: &Geometry) -> Vec<ChannelTask> {
         let mut tasks = Vec::new();
@@ -287,6 +333,22 @@ impl ChannelMajorSplit {
             c0 = c1;
         }
         tasks
+    }
+}
+
+/// The output rows of one task of a [`ChannelMajorSplit`], in tensor order.
+pub(crate) struct TaskRows<'a, T> {
+    /// The task.
+    pub task: ChannelTask,
+    rows: Vec<&'a mut [T]>,
+}
+
+impl<T> TaskRows<'_, T> {
+    /// The output row of channel `c` at outer index `o` (both within the task).
+    #[inline(always)]
+    pub fn row(&mut self, c: usize, o: usize) -> &mut [T] {
+        let t = self.task;
+        &mut *self.rows[(o - t.o0) * (t.c1 - t.c0) + (c - t.c0)]
     }
 }
 

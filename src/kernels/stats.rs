@@ -63,6 +63,31 @@ impl Moments {
         }
     }
 
+    /// `acc[i] = acc[i].merge(part[i])` for every `i`, exactly (bit for bit), with the
+    /// ratios of the counts computed once when the counts are the same in every element
+    /// (the channels of a task): no division per channel.
+    pub(crate) fn merge_into(acc: &mut [Moments], part: &[Moments]) {
+        let (Some(a0), Some(b0)) = (acc.first(), part.first()) else {
+            return;
+        };
+        let (na, nb) = (a0.count, b0.count);
+        let n = na + nb;
+        let (wb, wab) = (nb / n, na * nb / n);
+        for (a, b) in acc.iter_mut().zip(part) {
+            let same = a.count == na && b.count == nb && na > 0.0 && nb > 0.0;
+            *a = if same && a.mean.is_finite() && b.mean.is_finite() {
+                let delta = b.mean - a.mean;
+                Moments {
+                    count: n,
+                    mean: a.mean + delta * wb,
+                    m2: a.m2 + b.m2 + delta * delta * wab,
+                }
+            } else {
+                a.merge(*b)
+            };
+        }
+    }
+
     /// Biased variance `M2 / count` (NaN when empty).
     pub fn variance(self) -> f64 {
         self.m2 / self.count
@@ -145,8 +170,16 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 /// exact path handles.
 #[inline(always)]
 fn well_shifted(n: usize, s1: f64, s2: f64) -> bool {
-    let n = n as f64;
-    s1 * s1 / n <= s2 - s1 * s1 / n
+    well_shifted_inv(1.0 / n as f64, s1, s2)
+}
+
+/// [`well_shifted`] with `1/n` given: a loop over the channels of a tile (which all have
+/// the same `n`) then does no division per channel (perf: the division was the
+/// costliest instruction of the per-tile bookkeeping at C = 2048).
+#[inline(always)]
+fn well_shifted_inv(inv_n: f64, s1: f64, s2: f64) -> bool {
+    let q = s1 * s1 * inv_n;
+    q <= s2 - q
 }
 
 /// `(Σ(x − k), Σ(x − k)²)` over the pieces, in `U` lanes summed in `f64`.
@@ -282,38 +315,37 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let mut first = true;
         for tile in self.x.chunks(tile_len) {
             let n = tile.len() / c;
+            let inv_n = 1.0 / n as f64;
             let (pivots, rest) = lanes.split_at_mut(groups * l);
             let (sum1, sum2) = rest.split_at_mut(groups * l);
             if first {
-                // The task's pivots: this tile's own means, then its sums around them.
+                // The task's pivots: the means of its first few pixels (an estimate of
+                // the tile's mean within a fraction of a std for any but drifting data),
+                // then the tile's sums around them. Should any channel of this first
+                // tile come out badly shifted, the pivots become the whole tile's means
+                // and the tile is summed again (what every task did before: a whole
+                // extra pass over the first tile, which was a third of the statistics
+                // time at C = 2048, where a task is two tiles).
                 first = false;
-                let sums = &mut acc[..sets * groups];
-                sums.fill(zero);
-                // The set cycles by a counter, not `i % sets` (perf showed the `div`
-                // among the hottest instructions of this kernel at C = 32).
-                let mut set = 0;
-                for px in tile.chunks_exact(c) {
-                    let a = &mut sums[set * groups..][..groups];
-                    accumulate(s, px, a);
-                    set = next_cyclic(set, sets);
+                let head = PIVOT_PIXELS.min(n) * c;
+                tile_pivots(s, &tile[..head], c, sets, &mut acc, &mut pivot, pivots);
+                deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, (sum1, sum2));
+                let shifted =
+                    |ch: usize| well_shifted_inv(inv_n, sum1[ch].to_f64(), sum2[ch].to_f64());
+                if head < tile.len() && !(0..c).all(shifted) {
+                    tile_pivots(s, tile, c, sets, &mut acc, &mut pivot, pivots);
+                    deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, (sum1, sum2));
                 }
-                let inv = s.splat(T::Stat::from_f64(1.0 / n as f64));
-                for (g, p) in pivot.iter_mut().enumerate() {
-                    let mut sum = sums[g];
-                    for k in 1..sets {
-                        sum = s.add(sum, sums[k * groups + g]);
-                    }
-                    *p = s.mul(sum, inv);
-                    s.store(&mut pivots[g * l..], *p);
-                }
+            } else {
+                // One pass around the pivots.
+                deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, (sum1, sum2));
             }
-            // One pass around the pivots; a channel whose tile mean lies more than one
-            // std from its pivot (drift, NaN, Inf) is redone exactly on its own, so no
-            // channel's data changes another channel's result.
-            deviation_sums_px(s, tile, c, sets, &pivot, &mut acc, (sum1, sum2));
+            // A channel whose tile mean lies more than one std from its pivot (drift,
+            // NaN, Inf) is redone exactly on its own, so no channel's data changes
+            // another channel's result.
             for ch in 0..c {
                 let (a, b) = (sum1[ch].to_f64(), sum2[ch].to_f64());
-                if well_shifted(n, a, b) {
+                if well_shifted_inv(inv_n, a, b) {
                     n_acc[ch] += n as f64;
                     s1_acc[ch] += a;
                     s2_acc[ch] += b;
@@ -352,6 +384,42 @@ fn channel_exact<T: Element>(tile: &[T], c: usize, ch: usize) -> Moments {
         count: n as f64,
         mean,
         m2: values().map(|v| (v - mean) * (v - mean)).sum(),
+    }
+}
+
+/// Pixels whose means are a channels-last task's first pivots.
+const PIVOT_PIXELS: usize = 16;
+
+/// The per-channel means of the whole pixels `px` (`c` channels each) into `pivot`
+/// (vectors) and `pivots` (lanes); `acc` is scratch of at least `sets` accumulator sets.
+#[inline(always)]
+fn tile_pivots<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    px: &[T],
+    c: usize,
+    sets: usize,
+    acc: &mut [S::V],
+    pivot: &mut [S::V],
+    pivots: &mut [U],
+) {
+    let (l, groups) = (S::LANES, pivot.len());
+    let sums = &mut acc[..sets * groups];
+    sums.fill(s.splat(U::ZERO));
+    // The set cycles by a counter, not `i % sets` (perf showed the `div` among the
+    // hottest instructions of this kernel at C = 32).
+    let mut set = 0;
+    for p in px.chunks_exact(c) {
+        accumulate(s, p, &mut sums[set * groups..][..groups]);
+        set = next_cyclic(set, sets);
+    }
+    let inv = s.splat(U::from_f64(1.0 / (px.len() / c) as f64));
+    for (g, p) in pivot.iter_mut().enumerate() {
+        let mut sum = sums[g];
+        for k in 1..sets {
+            sum = s.add(sum, sums[k * groups + g]);
+        }
+        *p = s.mul(sum, inv);
+        s.store(&mut pivots[g * l..], *p);
     }
 }
 
@@ -438,9 +506,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     });
     let mut total = vec![Moments::EMPTY; c];
     for p in &partials {
-        for (t, m) in total.iter_mut().zip(p) {
-            *t = t.merge(*m);
-        }
+        Moments::merge_into(&mut total, p);
     }
     total
 }
