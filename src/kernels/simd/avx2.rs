@@ -36,8 +36,26 @@ unsafe fn to_bf16(v: __m256) -> __m128i {
 /// pack and one permute for both (the same sequence in a C loop, in cache: 16 -> 19 GB/s a core).
 #[inline(always)]
 unsafe fn to_bf16x2(a: __m256, b: __m256) -> __m256i {
-    let (ra, rb) = (round_bf16(a), round_bf16(b));
+    // One NaN test for both vectors (a lane is unordered if either value is NaN), and
+    // the NaN blend only when there is one: six instructions fewer per pair on data
+    // without NaN, in passes that are bound by this arithmetic.
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, b);
+    let (ra, rb) = if _mm256_testz_ps(nan, nan) != 0 {
+        (round_bf16_ordered(a), round_bf16_ordered(b))
+    } else {
+        (round_bf16(a), round_bf16(b))
+    };
     _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(ra, rb))
+}
+
+/// [`round_bf16`] for lanes that are not NaN (±Inf and every finite value round as
+/// there; a NaN could come out as Inf).
+#[inline(always)]
+unsafe fn round_bf16_ordered(v: __m256) -> __m256i {
+    let bits = _mm256_castps_si256(v);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+    let rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    _mm256_srli_epi32::<16>(rounded)
 }
 
 /// The bf16 bits of each lane, in the low 16 bits of its 32-bit lane.
