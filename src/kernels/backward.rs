@@ -7,10 +7,7 @@
 
 use super::apply::{elementwise, head_len, VectorFn};
 use super::simd::{load_partial_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
-use super::{
-    channel_tiles, map_tasks, merge_channel_results, pixels_per_reduce_task, pixels_per_tile,
-    ChannelMajorSplit, ChannelTask, Geometry,
-};
+use super::{channel_tiles, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, PixelSplit};
 use crate::element::{Element, Real};
 
 /// The full-size inputs of a backward pass: `dy`, the optional ReLU mask (the forward's
@@ -85,9 +82,7 @@ pub fn reduce<T: Element>(
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && mean.len() == g.channels);
     if g.channels_last() {
         let c = g.channels;
-        let ppt = pixels_per_reduce_task(c);
-        let partials = map_tasks(g, g.outer.div_ceil(ppt), |t| {
-            let range = t * ppt * c..((t + 1) * ppt).min(g.outer) * c;
+        let partials = PixelSplit::reduce(g).map(g, |range| {
             let mut sums = BackwardSums::zeros(c);
             T::Stat::dispatch(
                 isa,
@@ -105,21 +100,23 @@ pub fn reduce<T: Element>(
         });
         BackwardSums::total(c, &partials)
     } else {
-        let tasks = ChannelMajorSplit::new(g).tasks(g);
-        let partials = map_tasks(g, tasks.len(), |i| {
-            T::Stat::dispatch(
-                isa,
-                TaskSums {
-                    g,
-                    dy,
-                    mask,
-                    x,
-                    mean,
-                    task: tasks[i],
-                },
-            )
-        });
-        let per = merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1));
+        let per = ChannelMajorSplit::new(g).map_channels(
+            g,
+            |task| {
+                T::Stat::dispatch(
+                    isa,
+                    TaskSums {
+                        g,
+                        dy,
+                        mask,
+                        x,
+                        mean,
+                        task,
+                    },
+                )
+            },
+            |a, b| (a.0 + b.0, a.1 + b.1),
+        );
         BackwardSums::from_pairs(&per)
     }
 }

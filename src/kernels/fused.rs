@@ -27,8 +27,7 @@ use super::backward::{
 use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, merge_channel_results, pixels_per_reduce_task, ChannelMajorSplit, Geometry, TaskRows,
-    RESIDENT_BYTES, TILE,
+    apply, merge_channel_results, ChannelMajorSplit, Geometry, PixelSplit, TaskRows, TILE,
 };
 use crate::element::{Element, Real};
 
@@ -186,7 +185,7 @@ pub fn forward_training<T: Element>(
     coeffs: impl Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
 ) -> Vec<Moments> {
     let size = size_of::<T>();
-    if !g.channels_last() && g.per_channel() * size <= RESIDENT_BYTES {
+    if g.resident(size, 1) {
         match (epi.side, epi.relu) {
             (None, false) => resident_forward(g, isa, [x], y, &coeffs, Affine),
             (None, true) => resident_forward(g, isa, [x], y, &coeffs, AffineRelu),
@@ -254,7 +253,7 @@ pub fn backward_training<T: Element>(
     let GradData { dy, mask, x } = data;
     let size = size_of::<T>();
     let inputs = if mask.is_some() { 3 } else { 2 };
-    if !g.channels_last() && inputs * g.per_channel() * size <= RESIDENT_BYTES {
+    if g.resident(size, inputs) {
         let per = match mask {
             None => resident_backward(g, isa, [dy, x], mean, dx, &coeffs, BackwardFn),
             Some(y) => resident_backward(g, isa, [dy, x, y], mean, dx, &coeffs, BackwardMaskFn),
@@ -318,10 +317,9 @@ pub fn backward_inference<T: Element>(
     let c = g.channels;
     if g.channels_last() {
         let stream = g.stream(size_of::<T>());
-        let ppt = pixels_per_reduce_task(c);
-        let chunks: Vec<&mut [T]> = dx.chunks_mut(ppt * c).collect();
-        let partials = map_items(g, chunks, |t, out| {
-            let range = t * ppt * c..t * ppt * c + out.len();
+        let split = PixelSplit::reduce(g);
+        let partials = map_items(g, split.chunks_mut(dx), |t, out| {
+            let range = split.range(t);
             let mut sums = BackwardSums::zeros(c);
             T::Stat::dispatch(
                 isa,

@@ -168,6 +168,13 @@ impl Geometry {
         self.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1
     }
 
+    /// Whether a channel-major training pass over `inputs` tensors of elements of `size`
+    /// bytes runs channel by channel, each channel reduced and then transformed while it
+    /// is resident in L2 ([`RESIDENT_BYTES`]).
+    pub(crate) fn resident(&self, size: usize, inputs: usize) -> bool {
+        !self.channels_last() && inputs * self.per_channel() * size <= RESIDENT_BYTES
+    }
+
     /// Whether an output of this geometry with elements of `size` bytes is streamed:
     /// the output and an input of the same size do not fit the last-level cache
     /// together (see [`STREAM_BYTES`]).
@@ -315,6 +322,20 @@ impl ChannelMajorSplit {
             .collect()
     }
 
+    /// `f(task)` for every task (in parallel when `g` is large), which gives one result
+    /// per channel of its task; a channel's results from several tasks are merged in
+    /// row order. One result per channel.
+    pub fn map_channels<R, F, M>(&self, g: &Geometry, f: F, merge: M) -> Vec<R>
+    where
+        R: Copy + Send,
+        F: Fn(ChannelTask) -> Vec<R> + Sync + Send,
+        M: Fn(R, R) -> R,
+    {
+        let tasks = self.tasks(g);
+        let partials = map_tasks(g, tasks.len(), |i| f(tasks[i]));
+        merge_channel_results(g, &tasks, partials, merge)
+    }
+
     /// The tasks, channel-major: all chunks of a channel are consecutive.
     pub fn tasks(&self, g: &Geometry) -> Vec<ChannelTask> {
         let mut tasks = Vec::new();
@@ -378,6 +399,53 @@ pub(crate) fn merge_channel_results<R: Copy>(
 /// `f32` lane sums more than 1024 values).
 pub(crate) fn pixels_per_tile(c: usize) -> usize {
     (CL_TILE / c.max(1)).clamp(64, 1024)
+}
+
+/// The fixed split of a channels-last reduction (statistics, gradient sums, second-order
+/// sums) into tasks of whole tiles of whole pixels: the one place that says which
+/// elements a task covers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PixelSplit {
+    pixels_per_task: usize,
+    pixels: usize,
+    channels: usize,
+}
+
+impl PixelSplit {
+    /// The split of a channels-last tensor of geometry `g`.
+    pub fn reduce(g: &Geometry) -> Self {
+        PixelSplit {
+            pixels_per_task: pixels_per_reduce_task(g.channels),
+            pixels: g.outer,
+            channels: g.channels,
+        }
+    }
+
+    /// Number of tasks.
+    pub fn len(&self) -> usize {
+        self.pixels.div_ceil(self.pixels_per_task)
+    }
+
+    /// The elements of task `t`.
+    pub fn range(&self, t: usize) -> std::ops::Range<usize> {
+        let p = self.pixels_per_task;
+        t * p * self.channels..((t + 1) * p).min(self.pixels) * self.channels
+    }
+
+    /// `f(range of task t)` for every task (in parallel when `g` is large), in order.
+    pub fn map<R, F>(&self, g: &Geometry, f: F) -> Vec<R>
+    where
+        R: Send,
+        F: Fn(std::ops::Range<usize>) -> R + Sync + Send,
+    {
+        map_tasks(g, self.len(), |t| f(self.range(t)))
+    }
+
+    /// An output of the tensor's size cut into the tasks' pieces, in order.
+    pub fn chunks_mut<'a, T>(&self, out: &'a mut [T]) -> Vec<&'a mut [T]> {
+        out.chunks_mut((self.pixels_per_task * self.channels).max(1))
+            .collect()
+    }
 }
 
 /// Pixels per task in a channels-last reduction: a whole number of tiles.

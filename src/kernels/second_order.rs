@@ -15,8 +15,8 @@ use rayon::prelude::*;
 
 use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
-    channel_tiles, map_tasks, merge_channel_results, next_cyclic, pixels_per_reduce_task,
-    pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, TASK,
+    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
+    PixelSplit, TASK,
 };
 use crate::element::{Element, Real};
 
@@ -85,9 +85,7 @@ pub fn reduce<T: Element>(
     let [g, x, a] = ins;
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
-        let ppt = pixels_per_reduce_task(c);
-        let partials = map_tasks(geo, geo.outer.div_ceil(ppt), |t| {
-            let r = t * ppt * c..((t + 1) * ppt).min(geo.outer) * c;
+        let partials = PixelSplit::reduce(geo).map(geo, |r| {
             let ins = [&g[r.clone()], &x[r.clone()], &a[r]];
             T::Stat::dispatch(isa, PixelSums { ins, shifts })
         });
@@ -101,21 +99,21 @@ pub fn reduce<T: Element>(
         }
         total
     } else {
-        let tasks = ChannelMajorSplit::new(geo).tasks(geo);
-        let partials = map_tasks(geo, tasks.len(), |i| {
-            T::Stat::dispatch(
-                isa,
-                TaskSums {
-                    geo,
-                    ins: [g, x, a],
-                    shifts,
-                    task: tasks[i],
-                },
-            )
-        });
-        merge_channel_results(geo, &tasks, partials, |p, q| {
-            std::array::from_fn(|k| p[k] + q[k])
-        })
+        ChannelMajorSplit::new(geo).map_channels(
+            geo,
+            |task| {
+                T::Stat::dispatch(
+                    isa,
+                    TaskSums {
+                        geo,
+                        ins: [g, x, a],
+                        shifts,
+                        task,
+                    },
+                )
+            },
+            |p, q| std::array::from_fn(|k| p[k] + q[k]),
+        )
     };
     per.into_iter()
         .map(|[g, a, g_xc, a_xc, a_g, xc]| SecondOrderSums {

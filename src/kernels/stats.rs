@@ -12,8 +12,8 @@
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd};
 use super::{
-    channel_tiles, map_tasks, merge_channel_results, next_cyclic, pixels_per_reduce_task,
-    pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
+    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
+    PixelSplit,
 };
 use crate::element::{Element, Real};
 
@@ -241,18 +241,11 @@ impl<T: Element> Kernel<T::Stat> for TaskMoments<'_, T> {
 }
 
 fn channel_major<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
-    let tasks = ChannelMajorSplit::new(g).tasks(g);
-    let partials = map_tasks(g, tasks.len(), |i| {
-        T::Stat::dispatch(
-            isa,
-            TaskMoments {
-                g,
-                x,
-                task: tasks[i],
-            },
-        )
-    });
-    merge_channel_results(g, &tasks, partials, Moments::merge)
+    ChannelMajorSplit::new(g).map_channels(
+        g,
+        |task| T::Stat::dispatch(isa, TaskMoments { g, x, task }),
+        Moments::merge,
+    )
 }
 
 /// Exact two-pass moments of one cache-resident tile of `n` elements.
@@ -489,11 +482,9 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 
 fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     let c = g.channels;
-    let ppt = pixels_per_reduce_task(c);
-    let tasks = g.outer.div_ceil(ppt);
-    let partials = map_tasks(g, tasks, |t| {
+    let partials = PixelSplit::reduce(g).map(g, |range| {
         let mut out = vec![Moments::EMPTY; c];
-        let x = &x[t * ppt * c..((t + 1) * ppt).min(g.outer) * c];
+        let x = &x[range];
         T::Stat::dispatch(
             isa,
             PixelMoments {
