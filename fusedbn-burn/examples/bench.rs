@@ -2,8 +2,8 @@
 //! training forward + backward through burn's autodiff, and inference forward.
 //!
 //! ```sh
-//! cargo run --release -p fusedbn-burn --example bench            # 16x64x56x56 f32
-//! cargo run --release -p fusedbn-burn --example bench -- 8,32,28,28 bf16
+//! cargo run --release -p fusedbn-burn --example burn_bench            # 16x64x56x56 f32
+//! cargo run --release -p fusedbn-burn --example burn_bench -- 8,32,28,28 bf16
 //! ```
 //!
 //! Forward + backward runs `bn(x).backward()` (burn seeds the gradient with

@@ -4,7 +4,7 @@
 //! tolerance.
 //!
 //! ```sh
-//! cargo run --release -p fusedbn-burn --example train
+//! cargo run --release -p fusedbn-burn --example burn_train
 //! ```
 
 use burn::module::Module;

@@ -3,7 +3,7 @@
 //! forward, in f32 and bf16.
 //!
 //! ```text
-//! cargo run --release -p fusedbn-candle --example bench [-- N C H W [iterations]]
+//! cargo run --release -p fusedbn-candle --example candle_bench [-- N C H W [iterations]]
 //! ```
 //!
 //! The default shape is 16×64×56×56 (a ResNet-50 early block). "forward + backward

@@ -3,7 +3,7 @@
 //! loss trajectories and fails if they part by more than a tolerance.
 //!
 //! ```text
-//! cargo run --release -p fusedbn-candle --example train
+//! cargo run --release -p fusedbn-candle --example candle_train
 //! ```
 //!
 //! `cargo test` runs it too (a test at the bottom, `test = true` in Cargo.toml).
