@@ -501,3 +501,44 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     }
     total
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Moments;
+
+    /// `merge_into` is `merge`, element by element, bit for bit: on the fast path (equal
+    /// counts, finite means) and on every fallback (a count that differs, an empty
+    /// side, an infinite or NaN mean).
+    #[test]
+    fn merge_into_is_merge_bit_for_bit() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let m = |count: f64, mean: f64, m2: f64| Moments { count, mean, m2 };
+        let mut acc: Vec<Moments> = (0..64)
+            .map(|_| m(96.0, (next() - 0.5) * 1e6, next() * 1e3))
+            .collect();
+        let mut part: Vec<Moments> = (0..64)
+            .map(|_| m(40.0, (next() - 0.5) * 1e6, next() * 1e3))
+            .collect();
+        acc[3].mean = f64::INFINITY;
+        part[5].mean = f64::NAN;
+        part[7] = Moments::EMPTY;
+        part[9].count = 41.0;
+        acc[11] = Moments::EMPTY;
+        let want: Vec<Moments> = acc.iter().zip(&part).map(|(a, b)| a.merge(*b)).collect();
+        Moments::merge_into(&mut acc, &part);
+        let bits = |v: &Moments| [v.count.to_bits(), v.mean.to_bits(), v.m2.to_bits()];
+        for (i, (got, want)) in acc.iter().zip(&want).enumerate() {
+            assert_eq!(bits(got), bits(want), "element {i}: {got:?} vs {want:?}");
+        }
+        // An empty accumulator (a first task) takes the part as it is.
+        let mut empty = vec![Moments::EMPTY; 4];
+        Moments::merge_into(&mut empty, &part[..4]);
+        assert_eq!(empty, part[..4]);
+    }
+}
