@@ -746,6 +746,59 @@ mod no_panic {
     }
 }
 
+/// The reference's batch mean and variance of `x` (scale 1, offset 0, ε = 1e-3).
+fn reference_batch_stats(format: DataFormat, shape: &[usize], x: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    let c = Problem::new(format, shape).unwrap().channels();
+    let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let (ones, zeros) = (vec![1.0; c], vec![0.0; c]);
+    let rp = Problem::new(format, shape).unwrap().with_epsilon(1e-3);
+    let r = fusedbn::reference::forward(
+        &rp,
+        &xs,
+        Affine {
+            scale: &ones,
+            offset: &zeros,
+        },
+        fusedbn::reference::ForwardMode::Training {
+            running: None,
+            factor: 1.0,
+        },
+    );
+    (r.reserve_space_1, r.reserve_space_2)
+}
+
+/// The batch mean and variance of `x` that the forward op saves on `isa`.
+fn batch_stats(
+    format: DataFormat,
+    shape: &[usize],
+    isa: fusedbn::Isa,
+    x: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let p = Problem::new(format, shape).unwrap().with_isa(isa).unwrap();
+    let c = p.channels();
+    let mut y = vec![0f32; x.len()];
+    let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+    let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
+    p.forward(
+        x,
+        Affine {
+            scale: &scale,
+            offset: &offset,
+        },
+        Forward::Training(TrainingStats {
+            saved: SavedStats {
+                mean: &mut mu,
+                variance: &mut var,
+            },
+            running: None,
+        }),
+        Epilogue::plain(),
+        &mut y,
+    )
+    .unwrap();
+    (mu, var)
+}
+
 /// Statistics around a running shift must fall back to exact two-pass tiles when the
 /// data drifts: here every batch item is offset by 1000·n (std 1), so consecutive
 /// tiles disagree by thousands of standard deviations.
@@ -766,46 +819,12 @@ fn spec7_statistics_with_drifting_data() {
                 (1000.0 * b as f64 + rng.normal()) as f32
             })
             .collect();
-        let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        let ones = vec![1.0; c];
-        let zeros = vec![0.0; c];
-        let rp = Problem::new(format, &shape).unwrap().with_epsilon(1e-3);
-        let r = fusedbn::reference::forward(
-            &rp,
-            &xs,
-            Affine {
-                scale: &ones,
-                offset: &zeros,
-            },
-            fusedbn::reference::ForwardMode::Training {
-                running: None,
-                factor: 1.0,
-            },
-        );
+        let (rm, rv) = reference_batch_stats(format, &shape, &x);
         for isa in Isa::supported() {
-            let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
-            let mut y = vec![0f32; x.len()];
-            let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-            p.forward(
-                &x,
-                Affine {
-                    scale: &[1.0; 3],
-                    offset: &[0.0; 3],
-                },
-                Forward::Training(TrainingStats {
-                    saved: SavedStats {
-                        mean: &mut mu,
-                        variance: &mut var,
-                    },
-                    running: None,
-                }),
-                Epilogue::plain(),
-                &mut y,
-            )
-            .unwrap();
+            let (mu, var) = batch_stats(format, &shape, isa, &x);
             for ch in 0..c {
-                let std = r.reserve_space_2[ch].sqrt();
-                let (m, v) = (r.reserve_space_1[ch], r.reserve_space_2[ch]);
+                let std = rv[ch].sqrt();
+                let (m, v) = (rm[ch], rv[ch]);
                 assert!(
                     (mu[ch] as f64 - m).abs() <= 1e-5 * std + 1e-7 * m.abs(),
                     "{format} {isa} mean {} vs {m}",
@@ -845,55 +864,16 @@ fn spec7_statistics_first_pixels_unlike_the_rest() {
                 }
             })
             .collect();
-        let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
         let shape = [1, 1, pixels, c];
-        let (ones, zeros) = (vec![1.0; c], vec![0.0; c]);
-        let rp = Problem::new(DataFormat::Nhwc, &shape)
-            .unwrap()
-            .with_epsilon(1e-3);
-        let r = fusedbn::reference::forward(
-            &rp,
-            &xs,
-            Affine {
-                scale: &ones,
-                offset: &zeros,
-            },
-            fusedbn::reference::ForwardMode::Training {
-                running: None,
-                factor: 1.0,
-            },
-        );
+        let (rm, rv) = reference_batch_stats(DataFormat::Nhwc, &shape, &x);
         for isa in Isa::supported() {
-            let p = Problem::new(DataFormat::Nhwc, &shape)
-                .unwrap()
-                .with_isa(isa)
-                .unwrap();
-            let mut y = vec![0f32; x.len()];
-            let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-            let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
-            p.forward(
-                &x,
-                Affine {
-                    scale: &scale,
-                    offset: &offset,
-                },
-                Forward::Training(TrainingStats {
-                    saved: SavedStats {
-                        mean: &mut mu,
-                        variance: &mut var,
-                    },
-                    running: None,
-                }),
-                Epilogue::plain(),
-                &mut y,
-            )
-            .unwrap();
+            let (mu, var) = batch_stats(DataFormat::Nhwc, &shape, isa, &x);
             for ch in 0..c {
                 if nan && ch == 7 {
                     assert!(mu[ch].is_nan() && var[ch].is_nan(), "{isa} NaN channel");
                     continue;
                 }
-                let (m, v) = (r.reserve_space_1[ch], r.reserve_space_2[ch]);
+                let (m, v) = (rm[ch], rv[ch]);
                 assert!(
                     (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
                     "{isa} nan={nan} channel {ch}: mean {} vs {m}",

@@ -337,10 +337,10 @@ pub fn backward_inference<T: Element>(
         });
         BackwardSums::total(c, &partials)
     } else {
-        let split = ChannelMajorSplit::new(g);
-        let tasks = split.tasks(g);
+        let rows = ChannelMajorSplit::new(g).rows_mut(g, dx);
+        let tasks: Vec<_> = rows.iter().map(|r| r.task).collect();
         let stream = g.stream(size_of::<T>());
-        let partials = map_items(g, split.rows_mut(g, dx), |_, rows| {
+        let partials = map_items(g, rows, |_, rows| {
             T::Stat::dispatch(
                 isa,
                 InferenceRows {
