@@ -152,9 +152,16 @@ impl Simd<f32> for Avx2 {
     }
     #[inline(always)]
     fn sum_f64(self, v: __m256) -> f64 {
-        let mut a = [0f32; L];
-        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
-        a.iter().map(|&x| x as f64).sum()
+        // Pairwise in f64 lanes: (a0 + a4) + (a2 + a6) and (a1 + a5) + (a3 + a7), then
+        // their sum — three dependent adds instead of eight (perf: the scalar chain was
+        // an eighth of the statistics time on 64-element channel rows).
+        unsafe {
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            let s4 = _mm256_add_pd(lo, hi);
+            let s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd::<1>(s4));
+            _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)))
+        }
     }
     #[inline(always)]
     unsafe fn load_ptr<T: Element<Stat = f32>>(self, p: *const T) -> __m256 {

@@ -732,6 +732,44 @@ mod tests {
         check::<bf16>(bf16::to_bits);
     }
 
+    /// `sum_f64` of one vector loaded from `v`.
+    struct Sum<'a>(&'a [f32]);
+
+    impl Kernel<f32> for Sum<'_> {
+        type Output = f64;
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) -> f64 {
+            s.sum_f64(s.load(self.0))
+        }
+    }
+
+    /// A vector's lanes are summed in `f64` on every ISA: exactly where the `f64` sum is
+    /// exact (lanes far apart in magnitude, which an `f32` sum would lose), and NaN and
+    /// Inf as IEEE sums give them.
+    #[test]
+    fn sum_f64_adds_the_lanes_in_f64() {
+        let v = [1e8f32, 1.0, -1e8, 0.25, 0.125, 7.0, -2.0, 0.5];
+        let exact: f64 = v.iter().map(|&x| f64::from(x)).sum();
+        for isa in Isa::supported() {
+            let lanes = if isa == Isa::Avx512 { 16 } else { 8 };
+            let mut buf = vec![0f32; lanes];
+            buf[..8].copy_from_slice(&v);
+            assert_eq!(isa.run(Sum(&buf)), exact, "{isa}");
+            for (bad, want) in [
+                (f32::INFINITY, f64::INFINITY),
+                (f32::NEG_INFINITY, f64::NEG_INFINITY),
+            ] {
+                buf[lanes - 1] = bad;
+                assert_eq!(isa.run(Sum(&buf)), want, "{isa}: {bad}");
+            }
+            buf[0] = f32::NAN;
+            assert!(isa.run(Sum(&buf)).is_nan(), "{isa}: NaN");
+            buf[0] = f32::INFINITY;
+            buf[lanes - 1] = f32::NEG_INFINITY;
+            assert!(isa.run(Sum(&buf)).is_nan(), "{isa}: Inf - Inf");
+        }
+    }
+
     #[test]
     fn isa_names_round_trip_and_detection_is_supported() {
         for isa in Isa::ALL {
