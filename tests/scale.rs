@@ -77,6 +77,48 @@ fn forward_statistics() {
     sweep(Op::FusedBatchNormV3, &[far], |c| c.training(true));
 }
 
+/// Channels-last statistics run one loop per number of vectors in a pixel (accumulators
+/// in registers up to four vectors: C ≤ 32 on AVX2, ≤ 64 on AVX-512; in memory past
+/// that). Each width, whole and with a partial last vector, at about a million elements
+/// per channel, far from zero, on every ISA this CPU has (`sweep` runs the default one
+/// with C = 2 only).
+#[test]
+fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for c in [8, 19, 32, 64] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                let case = Case::new(
+                    Op::FusedBatchNormV3,
+                    DataFormat::Nhwc,
+                    &[1, 1023, 1027, c],
+                    dtype,
+                )
+                .expect("valid case")
+                .training(true)
+                .fill(far(dtype))
+                .isa(isa);
+                let inputs = case.inputs().expect("inputs");
+                let outputs = case.run(&inputs).expect("the op runs");
+                let want =
+                    reference(case.op, &case.named(&inputs), &case.attrs, None).expect("reference");
+                checked += 1;
+                if let Err(e) = check(&want, &outputs) {
+                    failures.push(format!("{case} on {isa}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(checked >= 16, "only {checked} cases");
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} cases out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 fn forward_statistics_running_average() {
     sweep(Op::FusedBatchNormV3, &[far], |c| {

@@ -122,26 +122,7 @@ fn spec7_statistics_with_large_mean() {
         } else {
             [1, c, 1000, 1000]
         };
-        let p = Problem::new(format, &shape).unwrap();
-        let mut y = vec![0f32; x.len()];
-        let (mut mu, mut var) = ([0f32; 2], [0f32; 2]);
-        p.forward(
-            &x,
-            Affine {
-                scale: &[1.0; 2],
-                offset: &[0.0; 2],
-            },
-            Forward::Training(TrainingStats {
-                saved: SavedStats {
-                    mean: &mut mu,
-                    variance: &mut var,
-                },
-                running: None,
-            }),
-            Epilogue::plain(),
-            &mut y,
-        )
-        .unwrap();
+        let (mu, var, y) = batch_stats(format, &shape, fusedbn::Isa::default_isa(), &x);
         for ch in 0..c {
             let vals: Vec<f64> = if format == DataFormat::Nhwc {
                 x.iter().skip(ch).step_by(c).map(|&v| v as f64).collect()
@@ -767,13 +748,14 @@ fn reference_batch_stats(format: DataFormat, shape: &[usize], x: &[f32]) -> (Vec
     (r.reserve_space_1, r.reserve_space_2)
 }
 
-/// The batch mean and variance of `x` that the forward op saves on `isa`.
+/// The batch mean and variance of `x` that the forward op saves on `isa` (scale 1,
+/// offset 0), and its `y`.
 fn batch_stats(
     format: DataFormat,
     shape: &[usize],
     isa: fusedbn::Isa,
     x: &[f32],
-) -> (Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let p = Problem::new(format, shape).unwrap().with_isa(isa).unwrap();
     let c = p.channels();
     let mut y = vec![0f32; x.len()];
@@ -796,7 +778,7 @@ fn batch_stats(
         &mut y,
     )
     .unwrap();
-    (mu, var)
+    (mu, var, y)
 }
 
 /// Statistics around a running shift must fall back to exact two-pass tiles when the
@@ -821,7 +803,7 @@ fn spec7_statistics_with_drifting_data() {
             .collect();
         let (rm, rv) = reference_batch_stats(format, &shape, &x);
         for isa in Isa::supported() {
-            let (mu, var) = batch_stats(format, &shape, isa, &x);
+            let (mu, var, _) = batch_stats(format, &shape, isa, &x);
             for ch in 0..c {
                 let std = rv[ch].sqrt();
                 let (m, v) = (rm[ch], rv[ch]);
@@ -867,7 +849,7 @@ fn spec7_statistics_first_pixels_unlike_the_rest() {
         let shape = [1, 1, pixels, c];
         let (rm, rv) = reference_batch_stats(DataFormat::Nhwc, &shape, &x);
         for isa in Isa::supported() {
-            let (mu, var) = batch_stats(DataFormat::Nhwc, &shape, isa, &x);
+            let (mu, var, _) = batch_stats(DataFormat::Nhwc, &shape, isa, &x);
             for ch in 0..c {
                 if nan && ch == 7 {
                     assert!(mu[ch].is_nan() && var[ch].is_nan(), "{isa} NaN channel");
