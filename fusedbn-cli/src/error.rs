@@ -4,7 +4,10 @@ use std::fmt;
 
 /// A user-facing error message (always a single line).
 #[derive(Debug)]
-pub struct CliError(String);
+pub struct CliError {
+    msg: String,
+    reported: bool,
+}
 
 impl CliError {
     /// An error with this message; line breaks are folded so it prints as one line.
@@ -16,16 +19,38 @@ impl CliError {
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect();
-            CliError(parts.join("; "))
+            CliError::from_line(parts.join("; "))
         } else {
-            CliError(msg)
+            CliError::from_line(msg)
         }
+    }
+
+    fn from_line(msg: String) -> Self {
+        CliError {
+            msg,
+            reported: false,
+        }
+    }
+
+    /// The same error, marked as already printed (by an MPI rank, which must print
+    /// before the job's barrier: Open MPI kills the other ranks as soon as one exits
+    /// non-zero, so an error printed after that could be lost).
+    pub fn reported(self) -> Self {
+        CliError {
+            reported: true,
+            ..self
+        }
+    }
+
+    /// Whether the error was already printed; `main` then only sets the exit status.
+    pub fn is_reported(&self) -> bool {
+        self.reported
     }
 }
 
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.msg)
     }
 }
 

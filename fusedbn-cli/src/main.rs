@@ -23,7 +23,9 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("fusedbn: error: {e}");
+            if !e.is_reported() {
+                eprintln!("fusedbn: error: {e}");
+            }
             ExitCode::from(EXIT_INVALID)
         }
     }

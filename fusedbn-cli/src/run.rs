@@ -83,7 +83,7 @@ fn run_mpi(args: &RunArgs) -> Result<()> {
 /// the op's agreement check, so that the other ranks fail instead of waiting.
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &RunArgs) -> Result<()> {
-    use fusedbn::sync::{fail_step, mpi, Collective, Mpi};
+    use fusedbn::sync::{mpi, Mpi};
     let (op, attrs, inputs) = crate::validate_run(args)?;
     if args.check {
         return Err(CliError::new(
@@ -93,6 +93,29 @@ fn run_mpi(args: &RunArgs) -> Result<()> {
     let universe = mpi::initialize()
         .ok_or_else(|| CliError::new("--sync mpi: MPI was already initialized"))?;
     let comm = Mpi::new(universe.world());
+    let result = run_rank(args, op, &attrs, &inputs, &comm);
+    // Every rank prints its own error, then waits at a barrier before any rank exits:
+    // Open MPI kills the remaining ranks as soon as one exits non-zero, and a rank
+    // killed before it printed would leave the user without its reason. A rank that
+    // succeeded waits there too (its peers may still be reporting).
+    if let Err(e) = &result {
+        eprintln!("fusedbn: error: {e}");
+    }
+    mpi::collective::CommunicatorCollectives::barrier(&universe.world());
+    result.map_err(CliError::reported)
+}
+
+/// One rank's part of `--sync mpi`: read this rank's shard, run the op synchronized
+/// through `comm`, write this rank's outputs.
+#[cfg(feature = "mpi")]
+fn run_rank(
+    args: &RunArgs,
+    op: Op,
+    attrs: &Attrs,
+    inputs: &[(String, PathBuf)],
+    comm: &fusedbn::sync::Mpi<fusedbn::sync::mpi::topology::SimpleCommunicator>,
+) -> Result<()> {
+    use fusedbn::sync::{fail_step, Collective};
     let (rank, size) = (comm.rank(), comm.size());
     let at = |e: CliError| CliError::new(format!("rank {rank} of {size}: {e}"));
     let subst = |p: &Path| PathBuf::from(p.to_string_lossy().replace("{rank}", &rank.to_string()));
@@ -125,7 +148,7 @@ fn run_mpi(args: &RunArgs) -> Result<()> {
         Ok(t) => t,
         Err(e) => {
             let _ = fail_step(
-                &comm,
+                comm,
                 fusedbn::Error::Collective {
                     reason: e.to_string(),
                 },
@@ -137,9 +160,7 @@ fn run_mpi(args: &RunArgs) -> Result<()> {
     for ((name, _), t) in inputs.iter().zip(&tensors) {
         named.insert(name, t);
     }
-    let outputs = op
-        .run_sync(&named, &attrs, &comm)
-        .map_err(|e| at(e.into()))?;
+    let outputs = op.run_sync(&named, attrs, comm).map_err(|e| at(e.into()))?;
     match &out {
         Some(out) => write_outputs(out, &outputs).map_err(at),
         None => Ok(()),
