@@ -54,6 +54,16 @@ pub const RESIDENT_BYTES: usize = 4 << 20;
 /// 1.04-1.06 -> 0.89-0.92; f32 outputs of 51 MB were 25 % faster streamed.)
 pub const STREAM_BYTES: usize = 16 << 20;
 
+/// Channel-major rows shorter than this many bytes are never streamed. A row is
+/// streamed from its first aligned vector to its last whole one, with ordinary stores
+/// before and after, so a short row's cache lines mix non-temporal and ordinary stores
+/// (and the next row's): measured on a 32 MiB-L3 Zen 3, NCHW forward inference of
+/// 128x2048x7x7 (196-byte f32 rows) took 6.0 times its copy streamed and 1.0 not;
+/// 64x1024x14x14 bf16 (392-byte rows) 3.4 and 1.1; 32x512x28x28 f32 (3136-byte rows)
+/// 0.86 streamed and 0.99 not (and its bf16 training passes, 1568-byte rows, were
+/// faster streamed).
+pub const STREAM_ROW_BYTES: usize = 1024;
+
 /// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
 /// be read. Read once per process.
 pub fn llc_bytes() -> usize {
@@ -180,7 +190,14 @@ impl Geometry {
     /// together (see [`STREAM_BYTES`]).
     pub(crate) fn stream(&self, size: usize) -> bool {
         let bytes = self.len() * size;
-        bytes >= STREAM_BYTES && 2 * bytes >= llc_bytes()
+        bytes >= STREAM_BYTES && 2 * bytes >= llc_bytes() && self.streamable_rows(size)
+    }
+
+    /// Whether the rows of this geometry are long enough to stream
+    /// ([`STREAM_ROW_BYTES`]): channels-last passes write whole tasks, channel-major
+    /// ones a row at a time.
+    fn streamable_rows(&self, size: usize) -> bool {
+        self.channels_last() || self.inner * size >= STREAM_ROW_BYTES
     }
 
     /// As [`Geometry::stream`], for the output of an L2-resident pass (channel-major
@@ -188,7 +205,7 @@ impl Geometry {
     /// [`STREAM_BYTES`] is streamed (measured, 16x256x56x56 f16 on a 32 MiB L3:
     /// backward training 1.36 -> 1.15 of a copy, forward 1.45 -> 1.36).
     pub(crate) fn stream_resident(&self, size: usize) -> bool {
-        self.len() * size >= STREAM_BYTES
+        self.len() * size >= STREAM_BYTES && self.streamable_rows(size)
     }
 
     /// Pixels per channels-last elementwise task: a fixed multiple of 16, so every task
