@@ -268,3 +268,42 @@ fn one_channels_outlier_leaves_other_channels_bit_identical() {
         }
     }
 }
+
+/// Channel-major rows shorter than the 1 KiB streaming and 4 KiB residency limits
+/// (7×7 and 14×14 images), on both sides of the 16 MiB rule that decides whether a
+/// training pass keeps channels resident (so both the resident walk and the two passes
+/// in memory order run with short rows), far from zero, forward and gradient in
+/// training, f32 and bf16, on every supported ISA.
+#[test]
+fn short_channel_major_rows_on_both_paths() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for shape in [[16, 7, 7, 512], [200, 7, 7, 512], [96, 14, 14, 256]] {
+        for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
+            for isa in fusedbn::Isa::supported() {
+                for dtype in [DType::F32, DType::BF16] {
+                    let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
+                        .expect("valid case")
+                        .training(true)
+                        .fill(far(dtype))
+                        .isa(isa);
+                    let inputs = case.inputs().expect("inputs");
+                    let outputs = case.run(&inputs).expect("the op runs");
+                    let want = reference(case.op, &case.named(&inputs), &case.attrs, None)
+                        .expect("reference");
+                    checked += 1;
+                    if let Err(e) = check(&want, &outputs) {
+                        failures.push(format!("{case} on {isa}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 12, "only {checked} cases");
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} cases out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
