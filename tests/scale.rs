@@ -35,10 +35,33 @@ fn far(dtype: DType) -> Fill {
     Fill::Random { mean, std: 1.0 }
 }
 
-/// Runs `make(case)` for every format, shape and type, with each fill in `fills`.
-fn sweep(op: Op, fills: &[fn(DType) -> Fill], adjust: impl Fn(Case) -> Case) {
+/// Runs every case against the `f64` reference with the driver's tolerance, and
+/// asserts that at least `min` cases ran and none was out of tolerance (all failures
+/// are listed, not just the first).
+fn check_all(cases: impl IntoIterator<Item = Case>, min: usize) {
     let mut failures = Vec::new();
     let mut checked = 0;
+    for case in cases {
+        let inputs = case.inputs().expect("inputs");
+        let outputs = case.run(&inputs).expect("the op runs");
+        let want = reference(case.op, &case.named(&inputs), &case.attrs, None).expect("reference");
+        checked += 1;
+        if let Err(e) = check(&want, &outputs) {
+            failures.push(format!("{case} on {}: {e}", case.isa));
+        }
+    }
+    assert!(checked >= min, "only {checked} cases");
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} cases out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Runs `adjust(case)` for every format, shape and type, with each fill in `fills`.
+fn sweep(op: Op, fills: &[fn(DType) -> Fill], adjust: impl Fn(Case) -> Case) {
+    let mut cases = Vec::new();
     for format in DataFormat::ALL {
         for logical in shapes(format) {
             for dtype in DTYPES {
@@ -46,26 +69,12 @@ fn sweep(op: Op, fills: &[fn(DType) -> Fill], adjust: impl Fn(Case) -> Case) {
                     let case = Case::new(op, format, &logical, dtype)
                         .expect("valid case")
                         .fill(fill(dtype));
-                    let case = adjust(case);
-                    let inputs = case.inputs().expect("inputs");
-                    let outputs = case.run(&inputs).expect("the op runs");
-                    let want = reference(case.op, &case.named(&inputs), &case.attrs, None)
-                        .expect("reference");
-                    checked += 1;
-                    if let Err(e) = check(&want, &outputs) {
-                        failures.push(format!("{case}: {e}"));
-                    }
+                    cases.push(adjust(case));
                 }
             }
         }
     }
-    assert!(checked >= 24, "only {checked} cases");
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} cases out of tolerance:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    check_all(cases, 24);
 }
 
 fn constant(_: DType) -> Fill {
@@ -84,8 +93,7 @@ fn forward_statistics() {
 /// with C = 2 only).
 #[test]
 fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut cases = Vec::new();
     for c in [8, 19, 32, 64] {
         for isa in fusedbn::Isa::supported() {
             for dtype in [DType::F32, DType::BF16] {
@@ -99,24 +107,11 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
                 .training(true)
                 .fill(far(dtype))
                 .isa(isa);
-                let inputs = case.inputs().expect("inputs");
-                let outputs = case.run(&inputs).expect("the op runs");
-                let want =
-                    reference(case.op, &case.named(&inputs), &case.attrs, None).expect("reference");
-                checked += 1;
-                if let Err(e) = check(&want, &outputs) {
-                    failures.push(format!("{case} on {isa}: {e}"));
-                }
+                cases.push(case);
             }
         }
     }
-    assert!(checked >= 16, "only {checked} cases");
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} cases out of tolerance:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    check_all(cases, 16);
 }
 
 #[test]
@@ -276,8 +271,7 @@ fn one_channels_outlier_leaves_other_channels_bit_identical() {
 /// training, f32 and bf16, on every supported ISA.
 #[test]
 fn short_channel_major_rows_on_both_paths() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut cases = Vec::new();
     for shape in [[16, 7, 7, 512], [200, 7, 7, 512], [96, 14, 14, 256]] {
         for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
             for isa in fusedbn::Isa::supported() {
@@ -287,23 +281,10 @@ fn short_channel_major_rows_on_both_paths() {
                         .training(true)
                         .fill(far(dtype))
                         .isa(isa);
-                    let inputs = case.inputs().expect("inputs");
-                    let outputs = case.run(&inputs).expect("the op runs");
-                    let want = reference(case.op, &case.named(&inputs), &case.attrs, None)
-                        .expect("reference");
-                    checked += 1;
-                    if let Err(e) = check(&want, &outputs) {
-                        failures.push(format!("{case} on {isa}: {e}"));
-                    }
+                    cases.push(case);
                 }
             }
         }
     }
-    assert!(checked >= 12, "only {checked} cases");
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} cases out of tolerance:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    check_all(cases, 12);
 }
