@@ -755,6 +755,12 @@ mod tests {
             let mut buf = vec![0f32; lanes];
             buf[..8].copy_from_slice(&v);
             assert_eq!(isa.run(Sum(&buf)), exact, "{isa}");
+            // Every lane counts exactly once: lane i > 0 holds 2^i, lane 0 holds 2^25
+            // (against which an f32 sum would round the 2 of lane 1 away).
+            let mut powers: Vec<f32> = (0..lanes).map(|i| (1u32 << i) as f32).collect();
+            powers[0] = 33_554_432.0;
+            let want = 33_554_432.0 + f64::from((1u32 << lanes) - 2);
+            assert_eq!(isa.run(Sum(&powers)), want, "{isa}: lanes");
             for (bad, want) in [
                 (f32::INFINITY, f64::INFINITY),
                 (f32::NEG_INFINITY, f64::NEG_INFINITY),
