@@ -1,12 +1,12 @@
 //! Whole ops with the fewest trips to memory.
 //!
 //! - [`forward_training`]: statistics, then `y` (with the Ex epilogue: residual add
-//!   and ReLU in the same pass). Channel-major with a channel slice that fits in L2
-//!   ([`RESIDENT_BYTES`]): each task reduces one channel and
+//!   and ReLU in the same pass). Channel-major with a channel slice that fits the
+//!   core's caches ([`RESIDENT_BYTES`]): each task reduces one channel and
 //!   transforms it while it is hot — one DRAM read of x, one write of y. Otherwise two
 //!   passes (x is read twice).
 //! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
-//!   x of a channel fit in L2, two passes otherwise. After a ReLU, dy is masked by the
+//!   x of a channel fit [`RESIDENT_BYTES`], two passes otherwise. After a ReLU, dy is masked by the
 //!   forward `y > 0` on the fly in both passes.
 //! - [`backward_inference`]: `dx = dy·k1` needs no reduction first, so the sums and
 //!   `dx` come from a single read of dy and x. With `k1 = 1` the same pass writes the
