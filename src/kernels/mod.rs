@@ -74,6 +74,11 @@ pub const RESIDENT_SHORT_ROW_BYTES: usize = 4096;
 /// faster streamed).
 pub const STREAM_ROW_BYTES: usize = 1024;
 
+/// How far ahead of its loads the channels-last statistics prefetch x when their
+/// accumulators live in memory (more channels than fit registers). (The same prefetch
+/// in the backward sums' loop measured no change, so it has none.)
+pub(crate) const PREFETCH_BYTES: usize = 4096;
+
 /// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
 /// be read. Read once per process.
 pub fn llc_bytes() -> usize {

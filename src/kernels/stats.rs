@@ -14,7 +14,7 @@
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd};
 use super::{
     channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit,
+    PixelSplit, PREFETCH_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -539,9 +539,6 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         s.store(&mut sum2[g * l..], b);
     }
 }
-
-/// How far ahead of its loads the general channels-last statistics loop prefetches.
-const PREFETCH_BYTES: usize = 4096;
 
 /// [`deviation_sums_px`] for pixels of `G` vectors (the last one partial when `C` is
 /// not a multiple of the lanes), with the `2·G·SETS` accumulators in registers: `SETS`
