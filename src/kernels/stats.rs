@@ -503,11 +503,12 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     v1.fill(zero);
     v2.fill(zero);
     let pivot = &pivot[..groups];
-    // Each pixel's loads wait behind the accumulator stores of the pixel before (with
-    // over 4 vectors of channels the accumulators are in memory, and the loads of x
-    // alias them modulo 4 KiB), so a load that misses the cache starts late and few
-    // misses overlap: NHWC C = 256 statistics read DRAM at 12–17 GB/s, where C = 64
-    // (accumulators in registers) read 27. A prefetch waits on nothing.
+    // With over 4 vectors of channels the accumulators are in memory, and perf puts a
+    // third of this loop on the instruction after the load of x: the loads likely wait
+    // behind the accumulator stores (which they alias modulo 4 KiB), so a load that
+    // misses the cache starts late and few misses overlap (NHWC C = 256 statistics
+    // read DRAM at 12–17 GB/s, where C = 64, accumulators in registers, read 27). A
+    // prefetch waits on nothing.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     let mut set = 0;
     for px in tile.chunks_exact(c) {
