@@ -288,3 +288,29 @@ fn short_channel_major_rows_on_both_paths() {
     }
     check_all(cases, 12);
 }
+
+/// Channel-major channels of a million elements that stay resident under the 8 MiB
+/// `RESIDENT_BYTES` limit: NCHW 1x1000x1000x2, 1,000,000 elements a channel, so x alone
+/// (forward: 4 MB in f32) and dy with x (gradient: 8 MB in f32, 4 MB in bf16) fit it,
+/// and each channel is reduced and then transformed in one task. (The `sweep` shapes,
+/// 2.1 million elements a channel, keep only the half types' forward resident.) Far
+/// from zero and constant, forward and gradient in training, every supported ISA.
+#[test]
+fn resident_channels_of_a_million_elements() {
+    let mut cases = Vec::new();
+    for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                for fill in [far(dtype), constant(dtype)] {
+                    let case = Case::new(op, DataFormat::Nchw, &[1, 1000, 1000, 2], dtype)
+                        .expect("valid case")
+                        .training(true)
+                        .fill(fill)
+                        .isa(isa);
+                    cases.push(case);
+                }
+            }
+        }
+    }
+    check_all(cases, 8);
+}

@@ -6,8 +6,8 @@
 //!   transforms it while it is hot — one DRAM read of x, one write of y. Otherwise two
 //!   passes (x is read twice).
 //! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
-//!   x of a channel fit [`RESIDENT_BYTES`], two passes otherwise. After a ReLU, dy is masked by the
-//!   forward `y > 0` on the fly in both passes.
+//!   x of a channel fit [`RESIDENT_BYTES`], two passes otherwise. After a ReLU, dy is
+//!   masked by the forward `y > 0` on the fly in both passes.
 //! - [`backward_inference`]: `dx = dy·k1` needs no reduction first, so the sums and
 //!   `dx` come from a single read of dy and x. With `k1 = 1` the same pass writes the
 //!   masked dy (the Ex gradient's `side_input_backprop`) while it reduces.
