@@ -192,8 +192,11 @@ fn one_shard_is_bit_identical<T: Element>(format: DataFormat, dims: [usize; 4], 
 }
 
 /// Shapes: tiny, SIMD tails, C = 1, M = 1, channel-major channels that stay resident
-/// and ones too large to (NCHW 1×2×512×512: 1 MiB per f32 channel).
-const SHAPES: [[usize; 4]; 7] = [
+/// and ones too large to (NCHW 1×2×512×512: 1 MiB per f32 channel), and channels the
+/// phases' reduction splits into row chunks across tasks (NCHW 3×2×300×700: 630 000
+/// elements a channel, resident in the whole ops for f32 without Ex and for the half
+/// types with it, two passes for f32 Ex and f64).
+const SHAPES: [[usize; 4]; 8] = [
     [1, 1, 1, 1],
     [3, 5, 7, 1],
     [2, 3, 5, 19],
@@ -201,6 +204,7 @@ const SHAPES: [[usize; 4]; 7] = [
     [4, 9, 11, 64],
     [2, 64, 64, 3],
     [1, 512, 512, 2],
+    [3, 300, 700, 2],
 ];
 
 #[test]

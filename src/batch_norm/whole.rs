@@ -10,7 +10,7 @@ use super::{
 use crate::element::{Element, Real};
 use crate::error::Result;
 use crate::kernels::apply;
-use crate::kernels::backward::{self, GradData};
+use crate::kernels::backward::GradData;
 use crate::kernels::second_order::{self, SecondOrderCoeffs};
 use crate::kernels::{fused, stats};
 
@@ -193,14 +193,7 @@ impl Problem {
         let sums = match (mode.is_training(), epilogue.side_input_backprop) {
             (true, None) => fused::backward_training(g, isa, data, rs1, grads.x, coeffs),
             (true, Some(sg)) => {
-                // The reduction pass also writes the (masked) dy: k1 = 1.
-                let sums = fused::backward_inference(g, isa, data, rs1, &ones(), sg);
-                let k: Vec<_> = (0..self.channels())
-                    .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
-                    .collect();
-                let [dm, k1, k2] = fused::columns(&k);
-                backward::apply(g, isa, data, [&dm, rs1, &k1, &k2], grads.x);
-                sums
+                fused::backward_training_side(g, isa, data, rs1, sg, grads.x, coeffs)
             }
             (false, None) => {
                 // dx = dy·scale·r, with the sums, in one pass.

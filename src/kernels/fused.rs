@@ -75,6 +75,15 @@ fn next_channel_row<'a, T>(g: &Geometry, x: &'a [T], c: usize, o: usize) -> Opti
     }
 }
 
+/// Outer rows per task of the two-pass channel-major split ([`ChannelMajorSplit::new`]),
+/// whose row chunks of a channel are reduced separately and merged in order. The
+/// resident passes reduce a channel by the same chunks, so that a result does not
+/// depend on whether its channel stayed resident, and the phases API (which reduces
+/// with the two-pass split) gives the whole ops' bits.
+fn reduction_rows(g: &Geometry) -> usize {
+    ChannelMajorSplit::new(g).rows_per_task.max(1)
+}
+
 /// Forward training over a group of L2-resident channels: for each channel, its
 /// moments (from `ins[0]`, which is x), then the output from the still-cached rows.
 struct ResidentForward<'a, T: Element, C, F, const N: usize> {
@@ -97,8 +106,18 @@ where
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
         let mut out = Vec::with_capacity(t.c1 - t.c0);
+        let step = reduction_rows(g);
         for c in t.c0..t.c1 {
-            let m = stats::channel_rows_in(s, g, self.ins[0], c, 0, g.outer);
+            // The reduction in the row chunks of the two-pass split, merged in order:
+            // the same bits as the phases' `moments` and the two-pass path.
+            let x = self.ins[0];
+            let mut m = stats::channel_rows_in(s, g, x, c, 0, step.min(g.outer));
+            let mut o0 = step;
+            while o0 < g.outer {
+                let o1 = (o0 + step).min(g.outer);
+                m = Moments::merge(m, stats::channel_rows_in(s, g, x, c, o0, o1));
+                o0 = o1;
+            }
             let k = splat_n(s, (self.coeffs)(c, m));
             for o in 0..g.outer {
                 let next = next_channel_row(g, self.ins[0], c, o);
@@ -145,9 +164,20 @@ where
         let t = rows.task;
         let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
         let mut out = Vec::with_capacity(t.c1 - t.c0);
+        let step = reduction_rows(g);
         for c in t.c0..t.c1 {
             let data = GradData { dy, mask, x };
-            let (sdy, sdx) = backward::channel_rows_in(s, g, data, self.mean[c], c, 0..g.outer);
+            let m = self.mean[c];
+            // By row chunks, as the two-pass split (see `ResidentForward`).
+            let (mut sdy, mut sdx) =
+                backward::channel_rows_in(s, g, data, m, c, 0..step.min(g.outer));
+            let mut o0 = step;
+            while o0 < g.outer {
+                let o1 = (o0 + step).min(g.outer);
+                let (a, b) = backward::channel_rows_in(s, g, data, m, c, o0..o1);
+                (sdy, sdx) = (sdy + a, sdx + b);
+                o0 = o1;
+            }
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for o in 0..g.outer {
@@ -379,37 +409,196 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
-        let zero = s.splat(T::Stat::ZERO);
+        let data = GradData {
+            dy: self.dy,
+            mask: self.mask,
+            x: self.x,
+        };
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
-            let (m, k1) = (s.splat(self.mean[c]), s.splat(self.k1[c]));
-            let (mut acc, mut pending) = ((zero, zero), 0);
-            let (mut sdy, mut sdx) = (0f64, 0f64);
-            for o in t.o0..t.o1 {
-                let dx = rows.row(c, o);
-                let off = (o * g.channels + c) * g.inner;
-                // A row may be far longer than a tile (one image of 2048×2048): cut it
-                // where the running count reaches TILE, so no f32 lane ever sums more
-                // than TILE / LANES values, whatever the shape.
-                let mut dx = dx;
-                let mut at = 0;
-                while at < g.inner {
-                    let len = (TILE - pending).min(g.inner - at);
-                    let (d, x) = (&self.dy[off + at..][..len], &self.x[off + at..][..len]);
-                    let mk = self.mask.map(|y| &y[off + at..][..len]);
-                    let (out, rest) = std::mem::take(&mut dx).split_at_mut(len);
-                    let run = GradData { dy: d, mask: mk, x };
-                    acc = row_sums(s, run, m, Some((out, self.stream)), k1, acc);
-                    dx = rest;
-                    (at, pending) = (at + len, pending + len);
-                    if pending >= TILE {
-                        sdy += s.sum_f64(acc.0);
-                        sdx += s.sum_f64(acc.1);
-                        (acc, pending) = ((zero, zero), 0);
-                    }
-                }
+            let (m, k1) = (self.mean[c], self.k1[c]);
+            let range = t.o0..t.o1;
+            out.push(channel_rows_out(
+                s,
+                g,
+                data,
+                m,
+                k1,
+                c,
+                range,
+                &mut rows,
+                self.stream,
+            ));
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
+}
+
+/// `(Σdy, Σdy·(x − m))` over channel `c`, outer rows `range` (within `rows`' task), of
+/// a channel-major tensor, with `dx = dy·k1` written to `rows` in the same read; sums
+/// flushed to `f64` every [`TILE`] elements.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    g: &Geometry,
+    data: GradData<'_, T>,
+    m: U,
+    k1: U,
+    c: usize,
+    range: std::ops::Range<usize>,
+    rows: &mut TaskRows<'_, T>,
+    stream: bool,
+) -> (f64, f64) {
+    let zero = s.splat(T::Stat::ZERO);
+    let (m, k1) = (s.splat(m), s.splat(k1));
+    let (mut acc, mut pending) = ((zero, zero), 0);
+    let (mut sdy, mut sdx) = (0f64, 0f64);
+    for o in range {
+        let off = (o * g.channels + c) * g.inner;
+        // A row may be far longer than a tile (one image of 2048×2048): cut it where
+        // the running count reaches TILE, so no f32 lane ever sums more than
+        // TILE / LANES values, whatever the shape.
+        let mut dx = rows.row(c, o);
+        let mut at = 0;
+        while at < g.inner {
+            let len = (TILE - pending).min(g.inner - at);
+            let (d, x) = (&data.dy[off + at..][..len], &data.x[off + at..][..len]);
+            let mk = data.mask.map(|y| &y[off + at..][..len]);
+            let (out, rest) = std::mem::take(&mut dx).split_at_mut(len);
+            let run = GradData { dy: d, mask: mk, x };
+            acc = row_sums(s, run, m, Some((out, stream)), k1, acc);
+            dx = rest;
+            (at, pending) = (at + len, pending + len);
+            if pending >= TILE {
+                sdy += s.sum_f64(acc.0);
+                sdx += s.sum_f64(acc.1);
+                (acc, pending) = ((zero, zero), 0);
             }
-            out.push((sdy + s.sum_f64(acc.0), sdx + s.sum_f64(acc.1)));
+        }
+    }
+    (sdy + s.sum_f64(acc.0), sdx + s.sum_f64(acc.1))
+}
+
+/// Gradient in training mode with the side input's gradient (the Ex op after
+/// `side + ReLU`): the backward sums with `sg` = the masked dy (`side_input_backprop`)
+/// written in the same read, then
+/// `dx = (sg − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`
+/// from `sg` and x — not dy, y and x again (the masked dy is exact in `T`, so `dx` is
+/// the same either way). Resident per channel when dy, x, the mask and `sg` of a
+/// channel fit [`RESIDENT_BYTES`](super::RESIDENT_BYTES): one DRAM read of each input,
+/// one write of each output.
+pub fn backward_training_side<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    data: GradData<'_, T>,
+    mean: &[T::Stat],
+    sg: &mut [T],
+    dx: &mut [T],
+    coeffs: impl Fn(usize, f64, f64) -> [T::Stat; 3] + Sync + Send,
+) -> BackwardSums {
+    let size = size_of::<T>();
+    let inputs = if data.mask.is_some() { 3 } else { 2 };
+    // `sg` is read back by the second sweep, so it counts as resident data too.
+    if g.resident(size, inputs + 1) {
+        let stream = g.stream_resident(size);
+        let split = ChannelMajorSplit::whole_channels(g);
+        let items: Vec<_> = split
+            .rows_mut(g, sg)
+            .into_iter()
+            .zip(split.rows_mut(g, dx))
+            .collect();
+        let coeffs = &coeffs;
+        let per = map_items(g, items, |_, (sg, dx)| {
+            T::Stat::dispatch(
+                isa,
+                ResidentSide {
+                    g,
+                    data,
+                    mean,
+                    sg,
+                    dx,
+                    coeffs,
+                    stream,
+                },
+            )
+        })
+        .concat();
+        BackwardSums::from_pairs(&per)
+    } else {
+        let ones = vec![T::Stat::from_f64(1.0); g.channels];
+        let sums = backward_inference(g, isa, data, mean, &ones, sg);
+        let k: Vec<[T::Stat; 3]> = (0..g.channels)
+            .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
+            .collect();
+        let [dm, k1, k2] = columns(&k);
+        let masked = GradData {
+            dy: &*sg,
+            mask: None,
+            x: data.x,
+        };
+        backward::apply(g, isa, masked, [&dm, mean, &k1, &k2], dx);
+        sums
+    }
+}
+
+/// [`backward_training_side`] over a group of resident channels: per channel, the sums
+/// and `sg` (ordinary stores: the second sweep reads it back from the cache), then `dx`
+/// from the cached `sg` and x.
+struct ResidentSide<'a, T: Element, C> {
+    g: &'a Geometry,
+    data: GradData<'a, T>,
+    mean: &'a [T::Stat],
+    sg: TaskRows<'a, T>,
+    dx: TaskRows<'a, T>,
+    coeffs: &'a C,
+    stream: bool,
+}
+
+impl<T: Element, C> Kernel<T::Stat> for ResidentSide<'_, T, C>
+where
+    C: Fn(usize, f64, f64) -> [T::Stat; 3],
+{
+    type Output = Vec<(f64, f64)>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let (g, x) = (self.g, self.data.x);
+        let (mut sg, mut dx) = (self.sg, self.dx);
+        let t = sg.task;
+        let one = T::Stat::from_f64(1.0);
+        let step = reduction_rows(g);
+        let mut out = Vec::with_capacity(t.c1 - t.c0);
+        for c in t.c0..t.c1 {
+            let m = self.mean[c];
+            // By row chunks, as the two-pass split (see `ResidentForward`).
+            let (d, first) = (self.data, 0..step.min(g.outer));
+            let (mut sdy, mut sdx) = channel_rows_out(s, g, d, m, one, c, first, &mut sg, false);
+            let mut o0 = step;
+            while o0 < g.outer {
+                let o1 = (o0 + step).min(g.outer);
+                let (a, b) = channel_rows_out(s, g, d, m, one, c, o0..o1, &mut sg, false);
+                (sdy, sdx) = (sdy + a, sdx + b);
+                o0 = o1;
+            }
+            let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
+            let k = splat_n(s, [dm, m, k1, k2]);
+            for o in 0..g.outer {
+                let next = next_channel_row(g, x, c, o);
+                let [xr] = row_of(g, &[x], c, o);
+                run_splat(
+                    s,
+                    [&*sg.row(c, o), xr],
+                    dx.row(c, o),
+                    k,
+                    self.stream,
+                    &BackwardFn,
+                    next,
+                );
+            }
+            out.push((sdy, sdx));
         }
         if self.stream {
             s.fence();
