@@ -183,7 +183,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                     *v = k[ch];
                 }
                 let k = splat_n(s, kv);
-                run_splat(s, ins, out, k, self.stream, &self.f, None);
+                run_splat(s, ins, out, k, self.stream, &self.f, [None, None]);
                 ch = next_cyclic(ch, c);
             }
         }
@@ -216,7 +216,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     k: [S::V; K],
     stream: bool,
     f: &F,
-    prefetch: Option<&[T]>,
+    prefetch: [Option<&[T]>; 2],
 ) where
     U: Real,
     S: Simd<U>,
@@ -230,25 +230,18 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         s.store_partial(&mut out[..head], v);
     }
     let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
+    let at_head = |p: Option<&[T]>| p.map_or(std::ptr::null(), |p| p[head.min(p.len())..].as_ptr());
+    let pf = [at_head(prefetch[0]), at_head(prefetch[1])];
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
-        match (stream && w.aligned(), prefetch) {
-            (true, None) => splat_body::<U, S, T, F, N, K, true, false>(s, &mut w, k, f, None),
-            (false, None) => splat_body::<U, S, T, F, N, K, false, false>(s, &mut w, k, f, None),
-            (true, Some(p)) => splat_body::<U, S, T, F, N, K, true, true>(
-                s,
-                &mut w,
-                k,
-                f,
-                Some(&p[head.min(p.len())..]),
-            ),
-            (false, Some(p)) => splat_body::<U, S, T, F, N, K, false, true>(
-                s,
-                &mut w,
-                k,
-                f,
-                Some(&p[head.min(p.len())..]),
-            ),
+        let count = prefetch.iter().filter(|p| p.is_some()).count();
+        match (stream && w.aligned(), count) {
+            (true, 0) => splat_body::<U, S, T, F, N, K, true, 0>(s, &mut w, k, f, pf),
+            (false, 0) => splat_body::<U, S, T, F, N, K, false, 0>(s, &mut w, k, f, pf),
+            (true, 1) => splat_body::<U, S, T, F, N, K, true, 1>(s, &mut w, k, f, pf),
+            (false, 1) => splat_body::<U, S, T, F, N, K, false, 1>(s, &mut w, k, f, pf),
+            (true, _) => splat_body::<U, S, T, F, N, K, true, 2>(s, &mut w, k, f, pf),
+            (false, _) => splat_body::<U, S, T, F, N, K, false, 2>(s, &mut w, k, f, pf),
         }
         w.tail()
     };
@@ -258,40 +251,30 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
-/// The whole vectors of a run; with `PREFETCH`, also a prefetch of the same position of
-/// `next` (the next channel's data in a resident pass) per vector, so its DRAM reads
-/// overlap this run's arithmetic and stores.
+/// The whole vectors of a run; with `PF` > 0, also a prefetch of the same position of
+/// the first `PF` of `pf` (the next channel's data in a resident pass) per vector, so
+/// their DRAM reads overlap this run's arithmetic and stores.
 #[inline(always)]
-fn splat_body<
-    U,
-    S,
-    T,
-    F,
-    const N: usize,
-    const K: usize,
-    const STREAM: bool,
-    const PREFETCH: bool,
->(
+fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool, const PF: usize>(
     s: S,
     w: &mut Walk<'_, T, N>,
     k: [S::V; K],
     f: &F,
-    next: Option<&[T]>,
+    pf: [*const T; 2],
 ) where
     U: Real,
     S: Simd<U>,
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
-    let pf = next.map_or(std::ptr::null(), |p| p.as_ptr());
     // Two vectors per step, stored together (one narrowing for both where the ISA
     // packs pairs), then an odd last one.
     let total = w.vectors();
     for i in 0..total / 2 {
         let j = 2 * i;
-        if PREFETCH {
-            s.prefetch_ptr(pf.wrapping_add(j * S::LANES));
-            s.prefetch_ptr(pf.wrapping_add((j + 1) * S::LANES));
+        for p in &pf[..PF] {
+            s.prefetch_ptr(p.wrapping_add(j * S::LANES));
+            s.prefetch_ptr(p.wrapping_add((j + 1) * S::LANES));
         }
         let a = f.eval(s, w.load(s, j), k);
         let b = f.eval(s, w.load(s, j + 1), k);
@@ -299,8 +282,8 @@ fn splat_body<
     }
     if total % 2 == 1 {
         let j = total - 1;
-        if PREFETCH {
-            s.prefetch_ptr(pf.wrapping_add(j * S::LANES));
+        for p in &pf[..PF] {
+            s.prefetch_ptr(p.wrapping_add(j * S::LANES));
         }
         let v = f.eval(s, w.load(s, j), k);
         w.store::<S, STREAM>(s, j, v);
