@@ -293,12 +293,18 @@ fn short_channel_major_rows_on_both_paths() {
 /// `RESIDENT_BYTES` limit: NCHW 1x1000x1000x2, 1,000,000 elements a channel, so x alone
 /// (forward: 4 MB in f32) and dy with x (gradient: 8 MB in f32, 4 MB in bf16) fit it,
 /// and each channel is reduced and then transformed in one task. (The `sweep` shapes,
-/// 2.1 million elements a channel, keep only the half types' forward resident.) Far
-/// from zero and constant, forward and gradient in training, every supported ISA.
+/// 2.1 million elements a channel, keep only the half types' forward resident.) The Ex
+/// gradient with its side input's gradient keeps dy, x, y and that gradient of a bf16
+/// channel resident (8 MB; f32 takes two passes). Far from zero and constant, forward
+/// and gradient in training, every supported ISA.
 #[test]
 fn resident_channels_of_a_million_elements() {
     let mut cases = Vec::new();
-    for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
+    for op in [
+        Op::FusedBatchNormV3,
+        Op::FusedBatchNormGradV3,
+        Op::FusedBatchNormGradEx,
+    ] {
         for isa in fusedbn::Isa::supported() {
             for dtype in [DType::F32, DType::BF16] {
                 for fill in [far(dtype), constant(dtype)] {
@@ -307,7 +313,11 @@ fn resident_channels_of_a_million_elements() {
                         .training(true)
                         .fill(fill)
                         .isa(isa);
-                    cases.push(case);
+                    cases.push(if op.is_ex() {
+                        case.ex(true, true)
+                    } else {
+                        case
+                    });
                 }
             }
         }
