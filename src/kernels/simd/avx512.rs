@@ -1,4 +1,4 @@
-//! AVX-512 (F, BW, VL): 16 f32 lanes, masked loads and stores for tails, f16 via the
+//! AVX-512 (F, BW, VL, DQ): 16 f32 lanes, masked loads and stores for tails, f16 via the
 //! `vcvtph2ps`/`vcvtps2ph` conversions, bf16 by shifting (round to nearest even on
 //! store, NaN kept quiet exactly as `half::bf16::from_f32` does). Pairs of vectors
 //! (the elementwise passes' stores) on CPUs with AVX-512 BF16 use `vcvtne2ps2bf16`,
@@ -30,7 +30,7 @@ fn has_bf16() -> bool {
 /// Runs `k` compiled for AVX-512.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VL (and FMA, F16C, which they imply).
+/// The CPU must support AVX-512 F, BW, VL and DQ (and FMA, F16C, which they imply).
 pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
     // SAFETY: the caller's guarantee; the BF16 instructions run only where `has_bf16`.
     unsafe { run_with(k, has_bf16()) }
@@ -40,7 +40,7 @@ pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
 /// As [`run`]. `avx512bf16` is enabled for the whole kernel so that `to_bf16x2` can use
 /// it, but its instructions are reached only behind `Avx512::bf16`, true only where the
 /// CPU has them.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
 unsafe fn run_with<K: Kernel<f32>>(k: K, bf16: bool) -> K::Output {
     k.run(Avx512 { bf16 })
 }
@@ -65,13 +65,12 @@ unsafe fn to_bf16(v: __m512) -> __m256i {
     _mm512_cvtepi32_epi16(out)
 }
 
-/// The lanes of `v` that are subnormal (exponent 0, mantissa not 0).
+/// The lanes of `v` that are subnormal (exponent 0, mantissa not 0): one `vfpclassps`
+/// (AVX-512 DQ, which every CPU with AVX-512 BF16 has).
 #[inline(always)]
 unsafe fn subnormal(v: __m512) -> __mmask16 {
-    let abs = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFF_FFFF));
-    // 1 <= |bits| <= 0x7FFFFF, as one unsigned compare.
-    let m1 = _mm512_sub_epi32(abs, _mm512_set1_epi32(1));
-    _mm512_cmplt_epu32_mask(m1, _mm512_set1_epi32(0x007F_FFFF))
+    // 0x20: the denormal class.
+    _mm512_fpclass_ps_mask::<0x20>(v)
 }
 
 /// Two vectors as 32 bf16 (`a` first), bit for bit as [`to_bf16`] on each: with

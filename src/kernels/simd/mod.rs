@@ -10,7 +10,7 @@
 //!
 //! | ISA | lanes | needs |
 //! |---|---|---|
-//! | [`Isa::Avx512`] | 16 × f32 | AVX-512 F, BW, VL (masked tails, F16C-style conversions) |
+//! | [`Isa::Avx512`] | 16 × f32 | AVX-512 F, BW, VL, DQ (masked tails, F16C-style conversions) |
 //! | [`Isa::Avx2`] | 8 × f32 | AVX2, FMA, F16C |
 //! | [`Isa::Scalar`] | 8 × f32 or f64 arrays, compiler-vectorized | nothing (also every f64 kernel) |
 //!
@@ -39,7 +39,8 @@ pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C, 8 f32 lanes.
     Avx2,
-    /// AVX-512 (F, BW, VL), 16 f32 lanes with masked tails.
+    /// AVX-512 (F, BW, VL, DQ: every CPU with BW and VL has DQ), 16 f32 lanes with
+    /// masked tails.
     Avx512,
 }
 
@@ -71,6 +72,7 @@ impl Isa {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -554,6 +556,9 @@ mod tests {
             f32::MAX,
             f32::MIN_POSITIVE,
             1e-40, // f32 subnormal
+            -1e-40,
+            f32::from_bits(0x0000_0001), // the smallest subnormal
+            f32::from_bits(0x807F_FFFF), // the largest negative subnormal
             65504.0,
             65520.0, // rounds to f16 infinity
             6.0e-8,  // f16 subnormal
