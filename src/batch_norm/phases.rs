@@ -230,7 +230,12 @@ impl Problem {
     /// **global** parameter gradients `dscale = r·Σdy(x − mean)`, `doffset = Σdy`
     /// (every shard gets the same). `saved` are the global batch statistics of the
     /// forward. With `relu_output`, `dy` is masked as in phase 4. Reads `dy` and `x`
-    /// once.
+    /// once (and `relu_output`).
+    ///
+    /// Where phase 4 wrote `side_input_backprop`, pass that as `y_backprop` and no
+    /// `relu_output`: it is `dy` masked exactly, so `dx` has the same bits, and one
+    /// tensor fewer is read ([`Problem::backward_sync`](crate::Problem::backward_sync)
+    /// and the whole op do this).
     pub fn backward_apply<T: Element>(
         &self,
         inputs: GradInputs<'_, T>,

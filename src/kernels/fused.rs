@@ -17,6 +17,7 @@
 //! complete.
 
 use std::mem::size_of;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -84,6 +85,41 @@ fn reduction_rows(g: &Geometry) -> usize {
     ChannelMajorSplit::new(g).rows_per_task.max(1)
 }
 
+/// The outer-row ranges of one channel's reduction, [`reduction_rows`] each, in order:
+/// [`RowChunks::first`] (`0..0` when the channel has no rows), then the rest as an
+/// iterator. A resident pass reduces the first chunk and merges the others into it, so
+/// its result is the two-pass split's (whose tasks merge in the same order).
+struct RowChunks {
+    next: usize,
+    step: usize,
+    outer: usize,
+}
+
+impl RowChunks {
+    /// The first chunk, and the iterator over the others.
+    fn first(g: &Geometry) -> (Range<usize>, RowChunks) {
+        let step = reduction_rows(g);
+        let first = 0..step.min(g.outer);
+        let rest = RowChunks {
+            next: first.end,
+            step,
+            outer: g.outer,
+        };
+        (first, rest)
+    }
+}
+
+impl Iterator for RowChunks {
+    type Item = Range<usize>;
+    fn next(&mut self) -> Option<Range<usize>> {
+        (self.next < self.outer).then(|| {
+            let o0 = self.next;
+            self.next = (o0 + self.step).min(self.outer);
+            o0..self.next
+        })
+    }
+}
+
 /// Forward training over a group of L2-resident channels: for each channel, its
 /// moments (from `ins[0]`, which is x), then the output from the still-cached rows.
 struct ResidentForward<'a, T: Element, C, F, const N: usize> {
@@ -106,17 +142,14 @@ where
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
         let mut out = Vec::with_capacity(t.c1 - t.c0);
-        let step = reduction_rows(g);
         for c in t.c0..t.c1 {
             // The reduction in the row chunks of the two-pass split, merged in order:
             // the same bits as the phases' `moments` and the two-pass path.
             let x = self.ins[0];
-            let mut m = stats::channel_rows_in(s, g, x, c, 0, step.min(g.outer));
-            let mut o0 = step;
-            while o0 < g.outer {
-                let o1 = (o0 + step).min(g.outer);
-                m = Moments::merge(m, stats::channel_rows_in(s, g, x, c, o0, o1));
-                o0 = o1;
+            let (first, rest) = RowChunks::first(g);
+            let mut m = stats::channel_rows_in(s, g, x, c, first.start, first.end);
+            for r in rest {
+                m = Moments::merge(m, stats::channel_rows_in(s, g, x, c, r.start, r.end));
             }
             let k = splat_n(s, (self.coeffs)(c, m));
             for o in 0..g.outer {
@@ -164,19 +197,15 @@ where
         let t = rows.task;
         let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
         let mut out = Vec::with_capacity(t.c1 - t.c0);
-        let step = reduction_rows(g);
         for c in t.c0..t.c1 {
             let data = GradData { dy, mask, x };
             let m = self.mean[c];
             // By row chunks, as the two-pass split (see `ResidentForward`).
-            let (mut sdy, mut sdx) =
-                backward::channel_rows_in(s, g, data, m, c, 0..step.min(g.outer));
-            let mut o0 = step;
-            while o0 < g.outer {
-                let o1 = (o0 + step).min(g.outer);
-                let (a, b) = backward::channel_rows_in(s, g, data, m, c, o0..o1);
+            let (first, rest) = RowChunks::first(g);
+            let (mut sdy, mut sdx) = backward::channel_rows_in(s, g, data, m, c, first);
+            for r in rest {
+                let (a, b) = backward::channel_rows_in(s, g, data, m, c, r);
                 (sdy, sdx) = (sdy + a, sdx + b);
-                o0 = o1;
             }
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
@@ -569,19 +598,15 @@ where
         let (mut sg, mut dx) = (self.sg, self.dx);
         let t = sg.task;
         let one = T::Stat::from_f64(1.0);
-        let step = reduction_rows(g);
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
-            let m = self.mean[c];
+            let (d, m) = (self.data, self.mean[c]);
             // By row chunks, as the two-pass split (see `ResidentForward`).
-            let (d, first) = (self.data, 0..step.min(g.outer));
+            let (first, rest) = RowChunks::first(g);
             let (mut sdy, mut sdx) = channel_rows_out(s, g, d, m, one, c, first, &mut sg, false);
-            let mut o0 = step;
-            while o0 < g.outer {
-                let o1 = (o0 + step).min(g.outer);
-                let (a, b) = channel_rows_out(s, g, d, m, one, c, o0..o1, &mut sg, false);
+            for r in rest {
+                let (a, b) = channel_rows_out(s, g, d, m, one, c, r, &mut sg, false);
                 (sdy, sdx) = (sdy + a, sdx + b);
-                o0 = o1;
             }
             let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
             let k = splat_n(s, [dm, m, k1, k2]);

@@ -770,8 +770,15 @@ impl Problem {
         d.relu = epilogue.relu_output.is_some();
         let local = self.check_backward(inputs, scale, saved, &epilogue, &grads);
         agree(comm, &d, local)?;
-        let relu_output = epilogue.relu_output;
-        let sums = self.backward_sums(inputs, saved.mean, epilogue)?;
+        let GradEpilogue {
+            relu_output,
+            mut side_input_backprop,
+        } = epilogue;
+        let local_epilogue = GradEpilogue {
+            relu_output,
+            side_input_backprop: side_input_backprop.as_deref_mut(),
+        };
+        let sums = self.backward_sums(inputs, saved.mean, local_epilogue)?;
         let c = sums.len();
         // [count, Σdy per channel, Σdy·(x − mean) per channel]
         let mut buf = Vec::with_capacity(2 * c + 1);
@@ -794,6 +801,18 @@ impl Problem {
             grads.offset.fill(<T::Stat as Real>::ZERO);
             return Ok(());
         }
-        self.backward_apply(inputs, scale, saved, &total, relu_output, grads)
+        match side_input_backprop {
+            // The side input's gradient is `dy` masked by the ReLU, exactly: `dx` from
+            // it and `x` has the same bits and reads one tensor fewer than from `dy`,
+            // `y` and `x` (what the whole op does too).
+            Some(sg) => {
+                let inputs = GradInputs {
+                    y_backprop: sg,
+                    x: inputs.x,
+                };
+                self.backward_apply(inputs, scale, saved, &total, None, grads)
+            }
+            None => self.backward_apply(inputs, scale, saved, &total, relu_output, grads),
+        }
     }
 }
