@@ -246,8 +246,19 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         w.tail()
     };
     if n > 0 {
-        let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
-        s.store_partial(&mut out[at..at + n], v);
+        if !stream && at + n >= l {
+            // The last whole vector of the run, overlapping the one before: its
+            // common lanes are written twice with the same values (`out` is not an
+            // input, and every lane has the same constants), and no masked load or
+            // store is needed — a third of a short row's vectors (7×7: three whole
+            // vectors and one element).
+            let st = at + n - l;
+            let v = Reads::new(l, ins.map(|x| &x[st..]), l).load(s, 0);
+            s.store(&mut out[st..], f.eval(s, v, k));
+        } else {
+            let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
+            s.store_partial(&mut out[at..at + n], v);
+        }
     }
 }
 
