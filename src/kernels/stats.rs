@@ -213,6 +213,8 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let (kv, zero) = (s.splat(k), s.splat(U::ZERO));
     let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
     let (mut t1, mut t2) = (0f64, 0f64);
+    // The shift, as a slice a partial vector is loaded from.
+    let kp = [k; 16];
     for p in pieces {
         let r = Reads::new(S::LANES, [p], p.len());
         let pairs = r.vectors() / 2;
@@ -231,11 +233,19 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
             s2 = s.mul_add(d, d, s2);
         }
         let (at, n) = r.tail();
-        if n > 0 {
-            // Widened as a vector, then added one by one in f64 as before (the same
-            // bits): a scalar f16 widening is a call into the `half` crate, and a call
-            // in this loop kept the accumulators on the stack (perf: NCHW 16x512x7x7
-            // f16 forward training took 10–15 times its copy, bf16 7–9).
+        if n > 0 && r.vectors() > 0 {
+            // The tail of a row of at least one vector: a partial vector minus a
+            // partial vector of the shift, so the lanes past it add 0 − 0. A lane then
+            // adds at most one value per row more than the row's whole vectors give
+            // it: at most 2·TILE / LANES values a tile.
+            let d = s.sub(s.load_partial(&p[at..]), s.load_partial(&kp[..n]));
+            r1 = s.add(r1, d);
+            r2 = s.mul_add(d, d, r2);
+        } else if n > 0 {
+            // A row shorter than a vector (rows of 1–15 elements would put a whole
+            // tile in a few lanes): widened as a vector, then added one by one in f64.
+            // (Not a scalar widening: for f16 that is a call into the `half` crate, and
+            // a call in this loop kept the accumulators on the stack.)
             let mut lanes = [U::ZERO; 16];
             s.store(&mut lanes[..], s.load_partial(&p[at..]));
             for &v in &lanes[..n] {
