@@ -28,7 +28,7 @@ use super::backward::{
 use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, merge_channel_results, ChannelMajorSplit, Geometry, PixelSplit, TaskRows, TILE,
+    apply, channel_tiles, merge_channel_results, ChannelMajorSplit, Geometry, PixelSplit, TaskRows,
 };
 use crate::element::{Element, Real};
 
@@ -420,7 +420,7 @@ pub fn backward_inference<T: Element>(
 }
 
 /// The inference gradient over one task of a channel-major split: per channel, sums
-/// flushed to `f64` every [`TILE`] elements, and `dx = dy·k1`.
+/// flushed to `f64` after each tile of `channel_tiles`, and `dx = dy·k1`.
 struct InferenceRows<'a, T: Element> {
     g: &'a Geometry,
     dy: &'a [T],
@@ -468,7 +468,9 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
 
 /// `(Σdy, Σdy·(x − m))` over channel `c`, outer rows `range` (within `rows`' task), of
 /// a channel-major tensor, with `dx = dy·k1` written to `rows` in the same read; sums
-/// flushed to `f64` every [`TILE`] elements.
+/// flushed to `f64` after each tile of [`channel_tiles`] (whole rows of at most
+/// [`TILE`](super::TILE) elements, or equal pieces of a longer row), so no `f32` lane
+/// sums more than `TILE / LANES` values, whatever the shape.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>>(
@@ -484,32 +486,27 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 ) -> (f64, f64) {
     let zero = s.splat(T::Stat::ZERO);
     let (m, k1) = (s.splat(m), s.splat(k1));
-    let (mut acc, mut pending) = ((zero, zero), 0);
     let (mut sdy, mut sdx) = (0f64, 0f64);
-    for o in range {
-        let off = (o * g.channels + c) * g.inner;
-        // A row may be far longer than a tile (one image of 2048×2048): cut it where
-        // the running count reaches TILE, so no f32 lane ever sums more than
-        // TILE / LANES values, whatever the shape.
-        let mut dx = rows.row(c, o);
-        let mut at = 0;
-        while at < g.inner {
-            let len = (TILE - pending).min(g.inner - at);
-            let (d, x) = (&data.dy[off + at..][..len], &data.x[off + at..][..len]);
-            let mk = data.mask.map(|y| &y[off + at..][..len]);
-            let (out, rest) = std::mem::take(&mut dx).split_at_mut(len);
+    let stride = g.channels * g.inner;
+    // Tiles, the same as the sums-only pass's (`backward::channel_rows_in`): the row
+    // loop has no cut inside a row, and its accumulators stay in registers (perf,
+    // NCHW 16x2048x7x7: cutting rows at a running count kept them on the stack).
+    for tile in channel_tiles(g, c, range.start, range.end) {
+        let first = tile.start - c * g.inner;
+        let (o0, at) = (first / stride, first % stride);
+        let mut acc = (zero, zero);
+        for i in 0..tile.count {
+            let off = tile.start + i * tile.stride;
+            let (d, x) = (&data.dy[off..][..tile.step], &data.x[off..][..tile.step]);
+            let mk = data.mask.map(|y| &y[off..][..tile.step]);
+            let out = &mut rows.row(c, o0 + i)[at..][..tile.step];
             let run = GradData { dy: d, mask: mk, x };
             acc = row_sums(s, run, m, Some((out, stream)), k1, acc);
-            dx = rest;
-            (at, pending) = (at + len, pending + len);
-            if pending >= TILE {
-                sdy += s.sum_f64(acc.0);
-                sdx += s.sum_f64(acc.1);
-                (acc, pending) = ((zero, zero), 0);
-            }
         }
+        sdy += s.sum_f64(acc.0);
+        sdx += s.sum_f64(acc.1);
     }
-    (sdy + s.sum_f64(acc.0), sdx + s.sum_f64(acc.1))
+    (sdy, sdx)
 }
 
 /// Gradient in training mode with the side input's gradient (the Ex op after
