@@ -324,3 +324,45 @@ fn resident_channels_of_a_million_elements() {
     }
     check_all(cases, 8);
 }
+
+/// Short channel-major rows with a tail (7×7: 49 elements, 14×14: 196, neither a
+/// multiple of 8 or 16 lanes) at about two million elements a channel: the statistics
+/// add each row's tail into their `f32` lanes, and the inference gradient and the Ex
+/// gradient's side-gradient pass flush their `f32` sums by tiles of whole rows — both
+/// must stay bounded over 40,000 rows a channel. Far from zero for the forward,
+/// constant dy (where a sum kept too long drifts furthest) and far for the gradients,
+/// f32 and bf16, every supported ISA.
+#[test]
+fn short_rows_with_tails_at_millions_per_channel() {
+    let mut cases = Vec::new();
+    for shape in [[40_000, 7, 7, 2], [10_000, 14, 14, 2]] {
+        for (op, training) in [
+            (Op::FusedBatchNormV3, true),
+            (Op::FusedBatchNormGradV3, false),
+            (Op::FusedBatchNormGradEx, true),
+        ] {
+            for isa in fusedbn::Isa::supported() {
+                for dtype in [DType::F32, DType::BF16] {
+                    let fills = if op == Op::FusedBatchNormV3 {
+                        vec![far(dtype)]
+                    } else {
+                        vec![far(dtype), constant(dtype)]
+                    };
+                    for fill in fills {
+                        let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
+                            .expect("valid case")
+                            .training(training)
+                            .fill(fill)
+                            .isa(isa);
+                        cases.push(if op.is_ex() {
+                            case.ex(true, true)
+                        } else {
+                            case
+                        });
+                    }
+                }
+            }
+        }
+    }
+    check_all(cases, 20);
+}

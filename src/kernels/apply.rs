@@ -250,8 +250,8 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
             // The last whole vector of the run, overlapping the one before: its
             // common lanes are written twice with the same values (`out` is not an
             // input, and every lane has the same constants), and no masked load or
-            // store is needed — a third of a short row's vectors (7×7: three whole
-            // vectors and one element).
+            // store is needed (a 7×7 row with 16 lanes: three whole vectors, then
+            // this one instead of a masked vector for the 49th element).
             let st = at + n - l;
             let v = Reads::new(l, ins.map(|x| &x[st..]), l).load(s, 0);
             s.store(&mut out[st..], f.eval(s, v, k));
