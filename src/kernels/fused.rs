@@ -389,6 +389,7 @@ pub fn backward_inference<T: Element>(
                     mean,
                     dx: Some((out, k1)),
                     stream,
+                    quads: false,
                     sums: &mut sums,
                 },
             );
