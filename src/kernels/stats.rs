@@ -355,7 +355,15 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let mut vectors = vec![zero; groups + 3 * sets * groups];
         let (pivot, acc) = vectors.split_at_mut(groups);
         let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
-        let mut per = vec![ChannelSums::default(); c];
+        // Per channel, the f64 sums around the task's pivot of the tiles accepted so
+        // far (count, Σd, Σd²: plain additions, no division per tile), as three columns
+        // so that a tile whose channels are all accepted is flushed in vector loops
+        // (perf, 16x7x7x2048 f32: the per-channel flush was a fifth of the pass); and,
+        // allocated only when a tile needs one, the moments of tiles redone exactly.
+        let mut columns = vec![0.0f64; 3 * c];
+        let (count, rest) = columns.split_at_mut(c);
+        let (s1, s2) = rest.split_at_mut(c);
+        let mut exact: Vec<Moments> = Vec::new();
         let tile_len = pixels_per_tile(c) * c;
         let mut first = true;
         for tile in self.x.chunks(tile_len) {
@@ -388,37 +396,42 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
             // A channel whose tile mean lies more than one std from its pivot (drift,
             // NaN, Inf) is redone exactly on its own, so no channel's data changes
             // another channel's result.
-            for (ch, p) in per.iter_mut().enumerate() {
-                let (a, b) = (sum1[ch].to_f64(), sum2[ch].to_f64());
-                if well_shifted_inv(inv_n, a, b) {
-                    p.n += n as f64;
-                    p.s1 += a;
-                    p.s2 += b;
-                } else {
-                    p.exact = p.exact.merge(channel_exact(tile, c, ch));
+            let (sum1, sum2) = (&sum1[..c], &sum2[..c]);
+            let mut all = true;
+            for ch in 0..c {
+                all &= well_shifted_inv(inv_n, sum1[ch].to_f64(), sum2[ch].to_f64());
+            }
+            let nf = n as f64;
+            if all {
+                for ch in 0..c {
+                    count[ch] += nf;
+                    s1[ch] += sum1[ch].to_f64();
+                    s2[ch] += sum2[ch].to_f64();
+                }
+            } else {
+                exact.resize(c, Moments::EMPTY);
+                for ch in 0..c {
+                    let (a, b) = (sum1[ch].to_f64(), sum2[ch].to_f64());
+                    if well_shifted_inv(inv_n, a, b) {
+                        count[ch] += nf;
+                        s1[ch] += a;
+                        s2[ch] += b;
+                    } else {
+                        exact[ch] = exact[ch].merge(channel_exact(tile, c, ch));
+                    }
                 }
             }
         }
-        for (ch, p) in per.iter().enumerate() {
-            let shifted = if p.n > 0.0 {
-                Moments::from_pivot_f64(p.n, lanes[ch].to_f64(), p.s1, p.s2)
+        for ch in 0..c {
+            let shifted = if count[ch] > 0.0 {
+                Moments::from_pivot_f64(count[ch], lanes[ch].to_f64(), s1[ch], s2[ch])
             } else {
                 Moments::EMPTY
             };
-            self.out[ch] = self.out[ch].merge(shifted).merge(p.exact);
+            let ex = exact.get(ch).copied().unwrap_or(Moments::EMPTY);
+            self.out[ch] = self.out[ch].merge(shifted).merge(ex);
         }
     }
-}
-
-/// One channel of a channels-last task: the `f64` sums around the task's pivot of the
-/// tiles accepted so far (plain additions, no division per tile), and the moments of
-/// the tiles that had to be redone exactly.
-#[derive(Clone, Copy, Default)]
-struct ChannelSums {
-    n: f64,
-    s1: f64,
-    s2: f64,
-    exact: Moments,
 }
 
 /// Exact moments of channel `ch` of a channels-last tile, in `f64` (the rare fallback).
