@@ -547,8 +547,9 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
-    // stores were the bottleneck: moments of 16x7x7x2048 and 16x14x14x1024 f32 15–30 %
-    // faster (Zen 4, both ISAs). From DRAM the four interleaved pixel streams were
+    // stores were the bottleneck (Zen 4, f32 moments, interleaved medians): 16x7x7x2048
+    // 0.36 -> 0.27 ms with AVX-512, 0.37 -> 0.32 ms with AVX2; 16x14x14x1024 AVX-512
+    // 0.51 -> 0.39 ms; 16x14x14x256 AVX2 0.130 -> 0.091 ms. From DRAM the four interleaved pixel streams were
     // slower than memory order (64x56x56x256 f32 AVX-512 8.4 -> 9.5 ms, 16x28x28x512
     // f32 AVX2 0.85 -> 1.21 ms), so larger tensors keep one pixel at a time.
     let mut blocks = tile.chunks_exact(4 * c);
