@@ -161,12 +161,13 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             let period = period * (128 / period).max(1);
             if period <= MAX_PERIOD {
                 let head = head_len(self.out, l, self.stream);
-                let pattern = Pattern::new(self.consts, c, period, head, l);
+                let pairs = s.pair_even_odd::<T>();
+                let pattern = Pattern::new(self.consts, c, period, head, l, pairs);
                 periodic(s, &pattern, self.ins, self.out, self.stream, &self.f);
             } else {
                 // A huge period (large C, prime to the lanes): one pixel at a time,
                 // each starting the pattern afresh.
-                let pattern = Pattern::new(self.consts, c, c, 0, l);
+                let pattern = Pattern::new(self.consts, c, c, 0, l, s.pair_even_odd::<T>());
                 for (p, out) in self.out.chunks_exact_mut(c).enumerate() {
                     let ins = self.ins.map(|x| &x[p * c..][..c]);
                     periodic(s, &pattern, ins, out, false, &self.f);
@@ -281,15 +282,17 @@ fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool, co
     // Two vectors per step, stored together (one narrowing for both where the ISA
     // packs pairs), then an odd last one.
     let total = w.vectors();
+    // A pair is loaded and stored in the ISA's pair order (`Simd::pair_even_odd`):
+    // every lane has the same constants here, so the order does not matter.
     for i in 0..total / 2 {
         let j = 2 * i;
         for p in &pf[..PF] {
             s.prefetch_ptr(p.wrapping_add(j * S::LANES));
             s.prefetch_ptr(p.wrapping_add((j + 1) * S::LANES));
         }
-        let a = f.eval(s, w.load(s, j), k);
-        let b = f.eval(s, w.load(s, j + 1), k);
-        w.store2::<S, STREAM>(s, j, a, b);
+        let (x, y) = w.load_pair(s, j);
+        let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
+        w.store_pair::<S, STREAM>(s, j, a, b);
     }
     if total % 2 == 1 {
         let j = total - 1;
@@ -304,22 +307,54 @@ fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool, co
 /// Per-channel constants laid out along a channels-last stream that starts at a pixel
 /// boundary: `values[i][j]` is constant `i` of the channel of element `head + j`,
 /// repeating every `period` elements; `head_values` covers the `head` elements before.
+/// With `pairs`, each whole pair of vectors in the period (`2·lanes` elements from a
+/// multiple of `2·lanes`) is laid out in the ISA's pair order instead
+/// (`Simd::pair_even_odd`: even elements, then odd ones) for the pair loads, and
+/// `single` keeps memory order for single vectors and tails.
 struct Pattern<U, const K: usize> {
     period: usize,
     head: usize,
     values: [Vec<U>; K],
+    single: Option<[Vec<U>; K]>,
     head_values: [Vec<U>; K],
 }
 
 impl<U: Real, const K: usize> Pattern<U, K> {
-    fn new(consts: [&[U]; K], c: usize, period: usize, head: usize, lanes: usize) -> Self {
+    fn new(
+        consts: [&[U]; K],
+        c: usize,
+        period: usize,
+        head: usize,
+        lanes: usize,
+        pairs: bool,
+    ) -> Self {
+        // One vector of lanes past the period lets a tail read a whole vector.
+        let values = consts.map(|k| cycle(&k[..c], head, period + lanes));
+        let single = pairs.then(|| values.clone());
+        let mut values = values;
+        if pairs {
+            for v in &mut values {
+                for block in v[..period].chunks_exact_mut(2 * lanes) {
+                    let memory = block.to_vec();
+                    for (i, pair) in memory.chunks_exact(2).enumerate() {
+                        block[i] = pair[0];
+                        block[lanes + i] = pair[1];
+                    }
+                }
+            }
+        }
         Pattern {
             period,
             head,
-            // One vector of lanes past the period lets a tail read a whole vector.
-            values: consts.map(|k| cycle(&k[..c], head, period + lanes)),
+            values,
+            single,
             head_values: consts.map(|k| cycle(&k[..c], 0, head)),
         }
+    }
+
+    /// The constants in memory order.
+    fn single(&self) -> &[Vec<U>; K] {
+        self.single.as_ref().unwrap_or(&self.values)
     }
 }
 
@@ -358,6 +393,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let (l, head) = (S::LANES, pattern.head.min(out.len()));
     let (values, head_values) = (pattern.values.each_ref(), pattern.head_values.each_ref());
     let (values, head_values) = (values.map(|v| &v[..]), head_values.map(|v| &v[..]));
+    let single = pattern.single().each_ref().map(|v| &v[..]);
     if head > 0 {
         let k = load_partial_n(s, &head_values, 0, head);
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
@@ -365,18 +401,19 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     }
     let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);
+    let singles = Reads::new(l, single, pattern.period);
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
         if stream && w.aligned() {
-            periodic_body::<U, S, T, F, N, K, true>(s, &mut w, &consts, f);
+            periodic_body::<U, S, T, F, N, K, true>(s, &mut w, [&consts, &singles], f);
         } else {
-            periodic_body::<U, S, T, F, N, K, false>(s, &mut w, &consts, f);
+            periodic_body::<U, S, T, F, N, K, false>(s, &mut w, [&consts, &singles], f);
         }
         w.tail()
     };
     if n > 0 {
         let p = at % pattern.period;
-        let k = load_partial_n(s, &values, p, n);
+        let k = load_partial_n(s, &single, p, n);
         let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
         s.store_partial(&mut out[at..at + n], v);
     }
@@ -386,7 +423,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
 fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>(
     s: S,
     w: &mut Walk<'_, T, N>,
-    consts: &Reads<'_, U, K>,
+    [consts, singles]: [&Reads<'_, U, K>; 2],
     f: &F,
 ) where
     U: Real,
@@ -410,14 +447,14 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
                 let (k0, k1) = (consts.load(s, q), consts.load(s, q + 1));
                 for r in 0..4 {
                     let j = j0 + r * per + q;
-                    let a = f.eval(s, w.load(s, j), k0);
-                    let b = f.eval(s, w.load(s, j + 1), k1);
-                    w.store2::<S, STREAM>(s, j, a, b);
+                    let (x, y) = w.load_pair(s, j);
+                    let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
+                    w.store_pair::<S, STREAM>(s, j, a, b);
                 }
             }
             if per % 2 == 1 {
                 let q = per - 1;
-                let k = consts.load(s, q);
+                let k = singles.load(s, q);
                 for r in 0..4 {
                     let j = j0 + r * per + q;
                     let v = f.eval(s, w.load(s, j), k);
@@ -429,16 +466,18 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
     }
     while j0 < total {
         let m = per.min(total - j0);
-        // Pairs stored together (see `splat_body`), then an odd last vector.
+        // Pairs in the ISA's pair order, with constants laid out the same way (see
+        // `Pattern`), then an odd last vector with constants in memory order.
         for i in 0..m / 2 {
             let q = 2 * i;
-            let a = f.eval(s, w.load(s, j0 + q), consts.load(s, q));
-            let b = f.eval(s, w.load(s, j0 + q + 1), consts.load(s, q + 1));
-            w.store2::<S, STREAM>(s, j0 + q, a, b);
+            let (x, y) = w.load_pair(s, j0 + q);
+            let a = f.eval(s, x, consts.load(s, q));
+            let b = f.eval(s, y, consts.load(s, q + 1));
+            w.store_pair::<S, STREAM>(s, j0 + q, a, b);
         }
         if m % 2 == 1 {
             let q = m - 1;
-            let v = f.eval(s, w.load(s, j0 + q), consts.load(s, q));
+            let v = f.eval(s, w.load(s, j0 + q), singles.load(s, q));
             w.store::<S, STREAM>(s, j0 + q, v);
         }
         j0 += m;

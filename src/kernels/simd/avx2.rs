@@ -52,10 +52,30 @@ unsafe fn to_bf16x2(a: __m256, b: __m256) -> __m256i {
 /// there; a NaN could come out as Inf).
 #[inline(always)]
 unsafe fn round_bf16_ordered(v: __m256) -> __m256i {
+    _mm256_srli_epi32::<16>(rounded_high(v))
+}
+
+/// The bf16 bits of each lane (not NaN) in the high 16 bits of its 32-bit lane, the low
+/// 16 bits garbage: `bits + 0x7FFF + lsb`.
+#[inline(always)]
+unsafe fn rounded_high(v: __m256) -> __m256i {
     let bits = _mm256_castps_si256(v);
     let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-    let rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-    _mm256_srli_epi32::<16>(rounded)
+    _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb))
+}
+
+/// Sixteen bf16 from the even elements `a` and the odd elements `b` (the order of
+/// [`Avx2::load_pair_ptr`]), rounded as [`to_bf16`]: the bf16 of `a` shifted to the low
+/// half of each 32-bit lane and blended with the high half of `b`'s, no cross-lane
+/// shuffle.
+#[inline(always)]
+unsafe fn to_bf16_even_odd(a: __m256, b: __m256) -> __m256i {
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, b);
+    if _mm256_testz_ps(nan, nan) != 0 {
+        _mm256_blend_epi16::<0b1010_1010>(round_bf16_ordered(a), rounded_high(b))
+    } else {
+        _mm256_or_si256(round_bf16(a), _mm256_slli_epi32::<16>(round_bf16(b)))
+    }
 }
 
 /// The bf16 bits of each lane, in the low 16 bits of its 32-bit lane.
@@ -226,6 +246,56 @@ impl Simd<f32> for Avx2 {
                     self.stream_ptr(p, a);
                     self.stream_ptr(p.add(L), b);
                 }
+            }
+        }
+    }
+    #[inline(always)]
+    fn pair_even_odd<T: Element<Stat = f32>>(self) -> bool {
+        T::DTYPE == DType::BF16
+    }
+    #[inline(always)]
+    unsafe fn load_pair_ptr<T: Element<Stat = f32>>(self, p: *const T) -> (__m256, __m256) {
+        // SAFETY: the caller guarantees 16 readable elements at `p`.
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    // Element 2i is the low half of 32-bit lane i, 2i + 1 the high half.
+                    let v = _mm256_loadu_si256(p.cast());
+                    let even = _mm256_slli_epi32::<16>(v);
+                    let odd = _mm256_and_si256(v, _mm256_set1_epi32(-65536));
+                    (_mm256_castsi256_ps(even), _mm256_castsi256_ps(odd))
+                }
+                _ => (self.load_ptr(p), self.load_ptr(p.add(L))),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_pair_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`.
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => _mm256_storeu_si256(p.cast(), to_bf16_even_odd(a, b)),
+                _ => self.store2_ptr(p, a, b),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn stream_pair_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 8
+        // elements (16 bytes): one 32-byte non-temporal store where `p` is aligned to
+        // 32 bytes, else two 16-byte ones.
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    let v = to_bf16_even_odd(a, b);
+                    if (p as usize).is_multiple_of(32) {
+                        _mm256_stream_si256(p.cast(), v);
+                    } else {
+                        _mm_stream_si128(p.cast(), _mm256_castsi256_si128(v));
+                        _mm_stream_si128(p.add(L).cast(), _mm256_extracti128_si256::<1>(v));
+                    }
+                }
+                _ => self.stream2_ptr(p, a, b),
             }
         }
     }

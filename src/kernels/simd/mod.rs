@@ -245,6 +245,43 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
             self.stream_ptr(p.add(Self::LANES), b);
         }
     }
+    /// Whether [`Simd::load_pair_ptr`] splits a pair of `2·LANES` elements of `T` into
+    /// its even and odd elements (`a` = elements 0, 2, 4, …; `b` = 1, 3, 5, …) rather
+    /// than into halves: the cheaper order where a conversion works on 32-bit pairs
+    /// (bf16: one shift and one mask a vector, no cross-lane shuffle). Callers whose
+    /// lanes meet per-lane constants lay the constants out the same way.
+    #[inline(always)]
+    fn pair_even_odd<T: Element<Stat = U>>(self) -> bool {
+        false
+    }
+    /// Loads `2·LANES` elements from `p` as two vectors, in the order of
+    /// [`Simd::pair_even_odd`].
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `2·LANES` elements.
+    #[inline(always)]
+    unsafe fn load_pair_ptr<T: Element<Stat = U>>(self, p: *const T) -> (Self::V, Self::V) {
+        // SAFETY: the caller's guarantee covers both halves.
+        unsafe { (self.load_ptr(p), self.load_ptr(p.add(Self::LANES))) }
+    }
+    /// Stores a pair loaded by [`Simd::load_pair_ptr`] (the same order) at `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `2·LANES` elements.
+    #[inline(always)]
+    unsafe fn store_pair_ptr<T: Element<Stat = U>>(self, p: *mut T, a: Self::V, b: Self::V) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.store2_ptr(p, a, b) }
+    }
+    /// As [`Simd::store_pair_ptr`], non-temporal.
+    ///
+    /// # Safety
+    /// `p` is valid for writes of `2·LANES` elements and aligned to `LANES` elements.
+    #[inline(always)]
+    unsafe fn stream_pair_ptr<T: Element<Stat = U>>(self, p: *mut T, a: Self::V, b: Self::V) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.stream2_ptr(p, a, b) }
+    }
     /// Loads `LANES` elements (`src.len() >= LANES`).
     #[inline(always)]
     fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V {
@@ -379,6 +416,34 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
         out
     }
 
+    /// Vectors `j` and `j + 1` of every input, each pair in the order of
+    /// [`Simd::pair_even_odd`].
+    #[inline(always)]
+    pub fn load_pair<S: Simd<T::Stat>>(&self, s: S, j: usize) -> ([S::V; N], [S::V; N]) {
+        assert!(j + 1 < self.vectors && S::LANES == self.lanes);
+        let at = j * self.lanes;
+        // SAFETY: `(j + 2)·lanes <= len` and every input holds at least `len` elements
+        // (checked in `new`); the borrow lives as long as `self`.
+        let (a0, b0) = unsafe { s.load_pair_ptr(self.ins[0].add(at)) };
+        let (mut a, mut b) = ([a0; N], [b0; N]);
+        // Unrolled by hand as in `load`.
+        assert!(N <= 4);
+        macro_rules! lane {
+            ($i:literal) => {
+                if let (Some(x), Some(y), Some(p)) =
+                    (a.get_mut($i), b.get_mut($i), self.ins.get($i))
+                {
+                    // SAFETY: as above.
+                    (*x, *y) = unsafe { s.load_pair_ptr(p.add(at)) };
+                }
+            };
+        }
+        lane!(1);
+        lane!(2);
+        lane!(3);
+        (a, b)
+    }
+
     /// The elements after the whole vectors: `(first index, count < LANES)`.
     #[inline(always)]
     pub fn tail(&self) -> (usize, usize) {
@@ -462,6 +527,37 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
                 s.stream2_ptr(p, a, b)
             } else {
                 s.store2_ptr(p, a, b)
+            }
+        }
+    }
+
+    /// Vectors `j` and `j + 1` of every input (see [`Reads::load_pair`]).
+    #[inline(always)]
+    pub fn load_pair<S: Simd<T::Stat>>(&self, s: S, j: usize) -> ([S::V; N], [S::V; N]) {
+        self.reads.load_pair(s, j)
+    }
+
+    /// Writes vectors `j` and `j + 1` of the output from a pair in the order of
+    /// [`Simd::pair_even_odd`]; non-temporal when `STREAM` (which needs
+    /// [`Walk::aligned`]).
+    #[inline(always)]
+    pub fn store_pair<S: Simd<T::Stat>, const STREAM: bool>(
+        &mut self,
+        s: S,
+        j: usize,
+        a: S::V,
+        b: S::V,
+    ) {
+        assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
+        // SAFETY: `(j + 2)·lanes <= len = out.len()`, and the output is borrowed mutably
+        // for the life of `self`; streaming is asked for only after `aligned()`.
+        unsafe {
+            let p = self.out.add(j * self.reads.lanes);
+            if STREAM {
+                debug_assert!(self.aligned());
+                s.stream_pair_ptr(p, a, b)
+            } else {
+                s.store_pair_ptr(p, a, b)
             }
         }
     }
