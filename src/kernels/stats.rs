@@ -551,7 +551,8 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // 0.36 -> 0.27 ms with AVX-512, 0.37 -> 0.32 ms with AVX2; 16x14x14x1024 AVX-512
     // 0.51 -> 0.39 ms; 16x14x14x256 AVX2 0.130 -> 0.091 ms. From DRAM the four interleaved pixel streams were
     // slower than memory order (64x56x56x256 f32 AVX-512 8.4 -> 9.5 ms, 16x28x28x512
-    // f32 AVX2 0.85 -> 1.21 ms), so larger tensors keep one pixel at a time.
+    // f32 AVX2 0.85 -> 1.21 ms), so larger f32 tensors keep one pixel at a time
+    // (16-bit ones do not: see `channels_last`).
     let mut blocks = tile.chunks_exact(4 * c);
     if quads {
         let (a, b) = (&mut v1[..groups], &mut v2[..groups]);
@@ -688,8 +689,13 @@ fn pixel_deviations<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
 fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     let c = g.channels;
     // A fixed size, not this machine's cache, so that the summation order (and with it
-    // the last bits) depends on the shape alone.
-    let quads = std::mem::size_of_val(x) < STREAM_BYTES;
+    // the last bits) depends on the shape alone. 16-bit types take four pixels at a
+    // time from DRAM too: a vector of them is half the bytes of an f32 one for the same
+    // accumulator updates, and there the stores cost more than the interleaved pixel
+    // streams (Zen 4, `moments` from DRAM, 7 interleaved rounds, medians: bf16 AVX2
+    // 64x56x56x256 4.70 -> 4.48 ms, 64x112x112x64 3.99 -> 3.63 ms, 64x28x28x512 2.64 ->
+    // 2.39 ms; bf16 AVX-512 64x56x56x256 4.69 -> 4.44 ms; f16 AVX2 4.84 -> 4.24 ms).
+    let quads = std::mem::size_of_val(x) < STREAM_BYTES || std::mem::size_of::<T>() == 2;
     let partials = PixelSplit::reduce(g).map(g, |range| {
         let mut out = vec![Moments::EMPTY; c];
         let x = &x[range];
