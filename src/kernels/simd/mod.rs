@@ -517,18 +517,7 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         a: S::V,
         b: S::V,
     ) {
-        assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
-        // SAFETY: `(j + 2)·lanes <= len = out.len()`, and the output is borrowed mutably
-        // for the life of `self`; streaming is asked for only after `aligned()`.
-        unsafe {
-            let p = self.out.add(j * self.reads.lanes);
-            if STREAM {
-                debug_assert!(self.aligned());
-                s.stream2_ptr(p, a, b)
-            } else {
-                s.store2_ptr(p, a, b)
-            }
-        }
+        self.store_two::<S, STREAM, false>(s, j, a, b)
     }
 
     /// Vectors `j` and `j + 1` of every input (see [`Reads::load_pair`]).
@@ -548,16 +537,29 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         a: S::V,
         b: S::V,
     ) {
+        self.store_two::<S, STREAM, true>(s, j, a, b)
+    }
+
+    /// [`Walk::store2`] (memory order) or, with `PAIR`, [`Walk::store_pair`].
+    #[inline(always)]
+    fn store_two<S: Simd<T::Stat>, const STREAM: bool, const PAIR: bool>(
+        &mut self,
+        s: S,
+        j: usize,
+        a: S::V,
+        b: S::V,
+    ) {
         assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
         // SAFETY: `(j + 2)·lanes <= len = out.len()`, and the output is borrowed mutably
         // for the life of `self`; streaming is asked for only after `aligned()`.
         unsafe {
             let p = self.out.add(j * self.reads.lanes);
-            if STREAM {
-                debug_assert!(self.aligned());
-                s.stream_pair_ptr(p, a, b)
-            } else {
-                s.store_pair_ptr(p, a, b)
+            debug_assert!(!STREAM || self.aligned());
+            match (STREAM, PAIR) {
+                (true, true) => s.stream_pair_ptr(p, a, b),
+                (false, true) => s.store_pair_ptr(p, a, b),
+                (true, false) => s.stream2_ptr(p, a, b),
+                (false, false) => s.store2_ptr(p, a, b),
             }
         }
     }
