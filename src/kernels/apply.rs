@@ -334,8 +334,12 @@ impl<U: Real, const K: usize> Pattern<U, K> {
         let mut values = values;
         if pairs {
             for v in &mut values {
+                // A copy of each block on the stack (at most 2 × 16 lanes): an
+                // allocation per block cost 2x8x8x32 bf16 AVX2 forward inference 0.3 µs.
+                let mut memory = [U::ZERO; 32];
                 for block in v[..period].chunks_exact_mut(2 * lanes) {
-                    let memory = block.to_vec();
+                    let memory = &mut memory[..2 * lanes];
+                    memory.copy_from_slice(block);
                     for (i, pair) in memory.chunks_exact(2).enumerate() {
                         block[i] = pair[0];
                         block[lanes + i] = pair[1];
