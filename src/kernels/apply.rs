@@ -13,7 +13,7 @@
 
 use std::mem::size_of;
 
-use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
+use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{for_each_row_chunk, next_cyclic, Geometry, MAX_PERIOD};
 use crate::element::{Element, Real};
 
@@ -71,7 +71,7 @@ pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
     let stream = g.stream(size_of::<T>());
     let row_len = g.row_len();
     for_each_row_chunk(g, out, |row0, out| {
-        let ins = ins.map(|x| &x[row0 * row_len..][..out.len()]);
+        let ins = sub_n(&ins, row0 * row_len, Some(out.len()));
         T::Stat::dispatch(
             isa,
             Elementwise {
@@ -169,7 +169,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                 // each starting the pattern afresh.
                 let pattern = Pattern::new(self.consts, c, c, 0, l, s.pair_even_odd::<T>());
                 for (p, out) in self.out.chunks_exact_mut(c).enumerate() {
-                    let ins = self.ins.map(|x| &x[p * c..][..c]);
+                    let ins = sub_n(&self.ins, p * c, Some(c));
                     periodic(s, &pattern, ins, out, false, &self.f);
                 }
             }
@@ -178,7 +178,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             // The channel advances with the row (no division per row).
             let mut ch = self.row0 % c.max(1);
             for (r, out) in self.out.chunks_exact_mut(g.inner).enumerate() {
-                let ins = self.ins.map(|x| &x[r * g.inner..][..g.inner]);
+                let ins = sub_n(&self.ins, r * g.inner, Some(g.inner));
                 let mut kv = [T::Stat::ZERO; K];
                 for (v, k) in kv.iter_mut().zip(self.consts) {
                     *v = k[ch];
@@ -230,7 +230,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
         s.store_partial(&mut out[..head], v);
     }
-    let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
+    let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
     let at_head = |p: Option<&[T]>| p.map_or(std::ptr::null(), |p| p[head.min(p.len())..].as_ptr());
     let pf = [at_head(prefetch[0]), at_head(prefetch[1])];
     let (at, n) = {
@@ -254,7 +254,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
             // store is needed (a 7×7 row with 16 lanes: three whole vectors, then
             // this one instead of a masked vector for the 49th element).
             let st = at + n - l;
-            let v = Reads::new(l, ins.map(|x| &x[st..]), l).load(s, 0);
+            let v = Reads::new(l, sub_n(&ins, st, None), l).load(s, 0);
             s.store(&mut out[st..], f.eval(s, v, k));
         } else {
             let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
@@ -403,7 +403,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
         s.store_partial(&mut out[..head], v);
     }
-    let (ins, out) = (ins.map(|x| &x[head..]), &mut out[head..]);
+    let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);
     let singles = Reads::new(l, single, pattern.period);
     let (at, n) = {

@@ -6,7 +6,7 @@
 //! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::apply::{elementwise, head_len, VectorFn};
-use super::simd::{load_partial_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
+use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{
     channel_tiles, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, PixelSplit,
     STREAM_BYTES,
@@ -300,7 +300,7 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         (d, acc) = sums_partial(s, &ins, 0, head, m, acc);
         s.store_partial(&mut out[..head], s.mul(d, k1));
     }
-    let (ins, out) = (ins.map(|v| &v[head..]), &mut out[head..]);
+    let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
     let (at, n) = {
         let mut w = Walk::new(S::LANES, ins, &mut *out);
         acc = if stream && w.aligned() {
@@ -408,7 +408,7 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     b: &mut [S::V],
 ) {
     let l = S::LANES;
-    let px = |k: usize| ins.map(|v| &v[p0 + k * c..p0 + (k + 1) * c]);
+    let px = |k: usize| sub_n(ins, p0 + k * c, Some(c));
     let (p0, p1, p2, p3) = (px(0), px(1), px(2), px(3));
     let r = [
         Reads::new(l, p0, c),
@@ -487,7 +487,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
             }
         }
         for p0 in (q0..t1).step_by(c) {
-            let px = ins.map(|v| &v[p0..p0 + c]);
+            let px = sub_n(&ins, p0, Some(c));
             match dx.as_mut() {
                 None => {
                     let r = Reads::new(l, px, c);

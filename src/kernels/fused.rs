@@ -25,7 +25,7 @@ use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn
 use super::backward::{
     self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums,
 };
-use super::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
+use super::simd::{splat_n, sub_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
     apply, channel_tiles, merge_channel_results, ChannelMajorSplit, Geometry, PixelSplit, TaskRows,
@@ -62,7 +62,7 @@ fn row_of<'a, T, const N: usize>(
     o: usize,
 ) -> [&'a [T]; N] {
     let off = (o * g.channels + c) * g.inner;
-    ins.map(|x| &x[off..][..g.inner])
+    sub_n(ins, off, Some(g.inner))
 }
 
 /// Row `o` of channel `c + 1` of `x` (channel-major), the data a resident pass over

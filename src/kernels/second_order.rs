@@ -13,7 +13,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{load_partial_n, splat_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
+use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
     channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
     PixelSplit, TASK,
@@ -299,7 +299,7 @@ pub fn apply<T: Element>(
     let chunk = (rows * row_len).max(1);
     let run = |i: usize, (dg, dx): (&mut [T], &mut [T])| {
         let off = i * chunk;
-        let ins = [g, x, a].map(|v| &v[off..][..dg.len()]);
+        let ins = sub_n(&[g, x, a], off, Some(dg.len()));
         T::Stat::dispatch(
             isa,
             Apply {

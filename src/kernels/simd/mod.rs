@@ -328,6 +328,26 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
 // `array::map` closures: a closure is compiled as a function of its own, without the
 // kernel's target features, and the intrinsics inside it would become calls.
 
+/// `[&src[0][at..][..len], &src[1][at..][..len], …]` (`len = None`: to the end).
+/// Also a loop for a second reason: `array::map` over slices was compiled as an
+/// out-of-line `try_map` call (with a `vzeroupper` and a store-forwarding stall on its
+/// result) once per channel-major row, a fifth of the time of a 49-element-row pass.
+#[inline(always)]
+pub(crate) fn sub_n<'a, T, const N: usize>(
+    src: &[&'a [T]; N],
+    at: usize,
+    len: Option<usize>,
+) -> [&'a [T]; N] {
+    let mut out = *src;
+    for x in out.iter_mut() {
+        *x = match len {
+            Some(len) => &x[at..][..len],
+            None => &x[at..],
+        };
+    }
+    out
+}
+
 /// `[splat(v[0]), splat(v[1]), …]`.
 #[inline(always)]
 pub(crate) fn splat_n<U: Copy, S: Simd<U>, const N: usize>(s: S, v: [U; N]) -> [S::V; N] {
@@ -376,7 +396,13 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
             assert!(x.len() >= len, "an input shorter than the run");
         }
         Reads {
-            ins: ins.map(|x| x.as_ptr()),
+            ins: {
+                let mut p = [std::ptr::null(); N];
+                for (p, x) in p.iter_mut().zip(&ins) {
+                    *p = x.as_ptr();
+                }
+                p
+            },
             vectors: len / lanes.max(1),
             lanes,
             len,
@@ -585,12 +611,14 @@ impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
     /// The first `len` elements of each output (each at least that long), in vectors of
     /// `lanes`.
     #[inline(always)]
-    pub fn new(lanes: usize, outs: [&'a mut [T]; M], len: usize) -> Self {
-        for o in &outs {
+    pub fn new(lanes: usize, mut outs: [&'a mut [T]; M], len: usize) -> Self {
+        let mut ptrs = [std::ptr::null_mut(); M];
+        for (p, o) in ptrs.iter_mut().zip(&mut outs) {
             assert!(o.len() >= len, "an output shorter than the run");
+            *p = o.as_mut_ptr();
         }
         Writes {
-            outs: outs.map(|o| o.as_mut_ptr()),
+            outs: ptrs,
             vectors: len / lanes.max(1),
             lanes,
             _borrow: std::marker::PhantomData,
