@@ -345,37 +345,38 @@ impl ChannelMajorSplit {
     }
 
     /// The tasks with the output rows of each (`out` is a tensor of geometry `g`): one
-    /// walk over the rows and one vector per task — not one per channel, which cost more
-    /// than the arithmetic on small tensors (2048 allocations at 16x2048x7x7).
+    /// walk over the tensor and one vector per task, holding one block per outer index
+    /// (the task's channels of that image, contiguous) — not one slice per row, whose
+    /// serial walk took 15 % of a one-thread NCHW 16x512x7x7 bf16 backward inference
+    /// (8192 rows), nor one vector per channel (2048 allocations at 16x2048x7x7).
     pub fn rows_mut<'a, T>(&self, g: &Geometry, out: &'a mut [T]) -> Vec<TaskRows<'a, T>> {
         let tasks = self.tasks(g);
-        let mut rows: Vec<Vec<&mut [T]>> = tasks
+        let groups = g.channels.div_ceil(self.channels_per_task.max(1));
+        let mut blocks: Vec<Vec<&mut [T]>> = tasks
             .iter()
-            .map(|t| Vec::with_capacity((t.c1 - t.c0) * (t.o1 - t.o0)))
+            .map(|t| Vec::with_capacity(t.o1 - t.o0))
             .collect();
-        // Row r is channel r mod C of outer index r / C; its task is
-        // (c / channels_per_task)·chunks + o / rows_per_task, tracked by counters.
-        let (mut c, mut group, mut in_group) = (0, 0, 0);
-        let (mut chunk, mut in_chunk) = (0, 0);
-        for row in out.chunks_mut(g.inner.max(1)) {
-            rows[group * self.chunks + chunk].push(row);
-            c += 1;
-            in_group += 1;
-            if in_group == self.channels_per_task {
-                (group, in_group) = (group + 1, 0);
-            }
-            if c == g.channels {
-                (c, group, in_group) = (0, 0, 0);
-                in_chunk += 1;
-                if in_chunk == self.rows_per_task {
-                    (chunk, in_chunk) = (chunk + 1, 0);
+        let image = g.channels * g.inner;
+        if image > 0 {
+            for (o, mut rest) in out.chunks_mut(image).enumerate() {
+                let chunk = o / self.rows_per_task.max(1);
+                for group in 0..groups {
+                    let c0 = group * self.channels_per_task;
+                    let c1 = (c0 + self.channels_per_task).min(g.channels);
+                    let (block, tail) = rest.split_at_mut((c1 - c0) * g.inner);
+                    blocks[group * self.chunks + chunk].push(block);
+                    rest = tail;
                 }
             }
         }
         tasks
             .into_iter()
-            .zip(rows)
-            .map(|(task, rows)| TaskRows { task, rows })
+            .zip(blocks)
+            .map(|(task, blocks)| TaskRows {
+                task,
+                inner: g.inner,
+                blocks,
+            })
             .collect()
     }
 
@@ -426,7 +427,10 @@ impl ChannelMajorSplit {
 pub(crate) struct TaskRows<'a, T> {
     /// The task.
     pub task: ChannelTask,
-    rows: Vec<&'a mut [T]>,
+    /// Elements per row.
+    inner: usize,
+    /// Per outer index `o0..o1`: channels `c0..c1` of that image.
+    blocks: Vec<&'a mut [T]>,
 }
 
 impl<T> TaskRows<'_, T> {
@@ -434,7 +438,7 @@ impl<T> TaskRows<'_, T> {
     #[inline(always)]
     pub fn row(&mut self, c: usize, o: usize) -> &mut [T] {
         let t = self.task;
-        &mut *self.rows[(o - t.o0) * (t.c1 - t.c0) + (c - t.c0)]
+        &mut self.blocks[o - t.o0][(c - t.c0) * self.inner..][..self.inner]
     }
 }
 
