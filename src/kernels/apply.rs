@@ -226,7 +226,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     F: VectorFn<N, K>,
 {
     let l = S::LANES;
-    if !stream && T::DTYPE == DType::BF16 && out.len() > 2 * l && out.len() % (2 * l) != 0 {
+    if !stream && T::DTYPE == DType::BF16 && out.len() > 2 * l && !out.len().is_multiple_of(2 * l) {
         // bf16: the whole pairs, then the last 2·LANES elements as one more pair
         // overlapping the one before (its common elements are written twice with the
         // same values: `out` is not an input, and every lane has the same constants)
