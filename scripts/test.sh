@@ -58,7 +58,8 @@ fi
 # mpirun as root, more ranks than cores, loopback only.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_oob_tcp_if_include=lo
-echo "== MPI: the library under mpirun -n 2, 3, 4 (feature mpi)"
-cargo test --release -p fusedbn --features mpi --test sync_mpi --example sync_mpi
-echo "== MPI: fusedbn run --sync mpi under mpirun -n 3"
-cargo test --release -p fusedbn-cli --features mpi --test sync
+echo "== MPI: the library under mpirun -n 2, 3, 4, and fusedbn run --sync mpi under mpirun -n 3 (feature mpi)"
+# One cargo invocation, so the library is built once with one feature set (two
+# invocations resolved different features and compiled it twice).
+cargo test --release -p fusedbn -p fusedbn-cli --features fusedbn/mpi,fusedbn-cli/mpi \
+    --test sync_mpi --example sync_mpi --test sync
