@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
 use super::backward::{
-    self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums,
+    self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
 };
 use super::simd::{splat_n, sub_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
@@ -389,7 +389,7 @@ pub fn backward_inference<T: Element>(
                     mean,
                     dx: Some((out, k1)),
                     stream,
-                    quads: false,
+                    quads: Quads::No,
                     sums: &mut sums,
                 },
             );
