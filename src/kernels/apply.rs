@@ -242,11 +242,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         let pf = [ptr(prefetch[0]), ptr(prefetch[1])];
         let count = prefetch.iter().filter(|p| p.is_some()).count();
         let mut w = Walk::new(l, sub_n(&ins, 0, Some(whole)), &mut out[..whole]);
-        match count {
-            0 => splat_body::<U, S, T, F, N, K, false, 0>(s, &mut w, k, f, pf),
-            1 => splat_body::<U, S, T, F, N, K, false, 1>(s, &mut w, k, f, pf),
-            _ => splat_body::<U, S, T, F, N, K, false, 2>(s, &mut w, k, f, pf),
-        }
+        splat_dispatch(s, &mut w, k, f, pf, false, count);
         let st = len - pair;
         let mut w = Walk::new(l, sub_n(&ins, st, Some(pair)), &mut out[st..]);
         splat_body::<U, S, T, F, N, K, false, 0>(s, &mut w, k, f, pf);
@@ -263,14 +259,8 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
         let count = prefetch.iter().filter(|p| p.is_some()).count();
-        match (stream && w.aligned(), count) {
-            (true, 0) => splat_body::<U, S, T, F, N, K, true, 0>(s, &mut w, k, f, pf),
-            (false, 0) => splat_body::<U, S, T, F, N, K, false, 0>(s, &mut w, k, f, pf),
-            (true, 1) => splat_body::<U, S, T, F, N, K, true, 1>(s, &mut w, k, f, pf),
-            (false, 1) => splat_body::<U, S, T, F, N, K, false, 1>(s, &mut w, k, f, pf),
-            (true, _) => splat_body::<U, S, T, F, N, K, true, 2>(s, &mut w, k, f, pf),
-            (false, _) => splat_body::<U, S, T, F, N, K, false, 2>(s, &mut w, k, f, pf),
-        }
+        let stream = stream && w.aligned();
+        splat_dispatch(s, &mut w, k, f, pf, stream, count);
         w.tail()
     };
     if n > 0 {
@@ -287,6 +277,33 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
             let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
             s.store_partial(&mut out[at..at + n], v);
         }
+    }
+}
+
+/// [`splat_body`] with its flags as run-time values: `stream` (non-temporal stores;
+/// `w` must be aligned) and the number of prefetched inputs (0, 1 or 2).
+#[inline(always)]
+fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    k: [S::V; K],
+    f: &F,
+    pf: [*const T; 2],
+    stream: bool,
+    count: usize,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    match (stream, count) {
+        (true, 0) => splat_body::<U, S, T, F, N, K, true, 0>(s, w, k, f, pf),
+        (false, 0) => splat_body::<U, S, T, F, N, K, false, 0>(s, w, k, f, pf),
+        (true, 1) => splat_body::<U, S, T, F, N, K, true, 1>(s, w, k, f, pf),
+        (false, 1) => splat_body::<U, S, T, F, N, K, false, 1>(s, w, k, f, pf),
+        (true, _) => splat_body::<U, S, T, F, N, K, true, 2>(s, w, k, f, pf),
+        (false, _) => splat_body::<U, S, T, F, N, K, false, 2>(s, w, k, f, pf),
     }
 }
 
