@@ -86,14 +86,15 @@ pub const RESIDENT_MIN_ROW_BYTES: usize = 512;
 pub const STREAM_ROW_BYTES: usize = 1024;
 
 /// How far ahead of its loads the channels-last statistics prefetch x when their
-/// accumulators live in memory (more channels than fit registers). Raised from 4096 on
-/// a Zen 4 (in-process `moments` from DRAM, interleaved, medians of 5–7): bf16
+/// accumulators live in memory (more channels than fit registers), and how far the
+/// 16-bit backward sums from DRAM prefetch dy and x (`backward::Quads::Prefetched`).
+/// Raised from 4096 on a Zen 4 (in-process `moments` from DRAM, interleaved, medians of 5–7): bf16
 /// 64x56x56x256 AVX-512 4.34 -> 3.49 ms with 2 threads, 7.46 -> 5.83 with one;
 /// 64x28x28x1024 bf16 7.78 -> 6.11; f32 64x56x56x256 AVX-512 8.32 -> 7.53; f16 AVX2
 /// 64x112x112x64 one thread 5.93 -> 5.02; f32 16x28x28x512 (in L3) one thread 1.54 ->
 /// 1.21. The one case that went the other way: f32 C = 64 with AVX2, 6.9–7.0 -> 7.2–7.7
-/// ms. (The same prefetch in the backward sums' loop was slower for f32 and for C = 64
-/// at either distance, so it has none.)
+/// ms. (In the backward sums' one-pixel-at-a-time loop the same prefetch was slower for
+/// f32 and for C = 64 at either distance, so that loop has none.)
 pub(crate) const PREFETCH_BYTES: usize = 8192;
 
 /// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
