@@ -381,7 +381,12 @@ pub(crate) enum Quads {
     /// memory order; with it, 4–7 % faster (Zen 4, in-process backward sums, 2 threads,
     /// 9 interleaved rounds, medians: bf16 64x56x56x256 8.18 -> 7.72 ms with AVX-512,
     /// 7.55 -> 7.14 with AVX2; f16 7.52 -> 7.07 / 7.81 -> 7.23; at 64x112x112x64 from
-    /// 0.94 to 1.02). In cache the same prefetch cost 10 % (16x7x7x2048 bf16).
+    /// 0.94 to 1.02). In cache the same prefetch cost 10 % (16x7x7x2048 bf16). One
+    /// prefetch per line, in memory order ([`Simd::prefetch_lines`]): with one per
+    /// vector and pixel (eight per line of dy and x with AVX2) this path was 1.3–1.4×
+    /// slower than `No` at 64x56x56x256 on a Zen 3 (bf16 9.5 against 12.2–13.3 ms,
+    /// f16 10.0 against 13.1), and with one per line as fast (9.4 and 9.5 ms); at
+    /// 64x112x112x64 it stays 5 % ahead of `No` (8.27 against 8.69 ms).
     Prefetched,
 }
 
@@ -454,10 +459,10 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     for g in 0..r[0].vectors() {
         if PF {
-            for p in [&p0, &p1, &p2, &p3] {
-                for i in p {
-                    s.prefetch_ptr(i.as_ptr().wrapping_add(ahead + g * l));
-                }
+            // The four pixels are contiguous in each input: the lines of four vectors'
+            // worth from the first pixel, in memory order.
+            for i in &p0 {
+                s.prefetch_lines(i.as_ptr().wrapping_add(ahead + 4 * g * l), 4 * l);
             }
         }
         let [m, _] = consts.load(s, g);

@@ -560,9 +560,9 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
             let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
             let pf = q.as_ptr().wrapping_add(ahead);
             for g in 0..r.vectors().min(groups) {
-                for k in 0..4 {
-                    s.prefetch_ptr(pf.wrapping_add(k * c + g * l));
-                }
+                // The four pixels are contiguous: the lines of the four vectors' worth
+                // of the quad at this step, in memory order.
+                s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
                 let [x0, x1, x2, x3] = r.load(s, g);
                 let p = pivot[g];
                 let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
