@@ -383,7 +383,7 @@ pub(crate) enum Quads {
     /// 7.55 -> 7.14 with AVX2; f16 7.52 -> 7.07 / 7.81 -> 7.23; at 64x112x112x64 from
     /// 0.94 to 1.02). In cache the same prefetch cost 10 % (16x7x7x2048 bf16). One
     /// prefetch per line, in memory order ([`Simd::prefetch_lines`]): with one per
-    /// vector and pixel (eight per line of dy and x with AVX2) this path was 1.3–1.4×
+    /// vector and pixel (four per line of each input with AVX2) this path was 1.3–1.4×
     /// slower than `No` at 64x56x56x256 on a Zen 3 (bf16 9.5 against 12.2–13.3 ms,
     /// f16 10.0 against 13.1), and with one per line as fast (9.4 and 9.5 ms); at
     /// 64x112x112x64 it stays 5 % ahead of `No` (8.27 against 8.69 ms).
