@@ -66,10 +66,17 @@ fn row_of<'a, T, const N: usize>(
 }
 
 /// Row `o` of channel `c + 1` of `x` (channel-major), the data a resident pass over
-/// channel `c` prefetches; `None` for the last channel.
+/// channel `c` prefetches; `None` for the last channel, or when the pass does not
+/// prefetch (`on`: [`Geometry::prefetch_next_channel`]).
 #[inline(always)]
-fn next_channel_row<'a, T>(g: &Geometry, x: &'a [T], c: usize, o: usize) -> Option<&'a [T]> {
-    if c + 1 < g.channels {
+fn next_channel_row<'a, T>(
+    g: &Geometry,
+    x: &'a [T],
+    c: usize,
+    o: usize,
+    on: bool,
+) -> Option<&'a [T]> {
+    if on && c + 1 < g.channels {
         Some(&x[(o * g.channels + c + 1) * g.inner..][..g.inner])
     } else {
         None
@@ -128,6 +135,7 @@ struct ResidentForward<'a, T: Element, C, F, const N: usize> {
     rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
+    prefetch: bool,
     f: F,
 }
 
@@ -153,7 +161,7 @@ where
             }
             let k = splat_n(s, (self.coeffs)(c, m));
             for o in 0..g.outer {
-                let next = next_channel_row(g, self.ins[0], c, o);
+                let next = next_channel_row(g, self.ins[0], c, o, self.prefetch);
                 run_splat(
                     s,
                     row_of(g, &self.ins, c, o),
@@ -182,6 +190,7 @@ struct ResidentBackward<'a, T: Element, C, F, const N: usize> {
     rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
+    prefetch: bool,
     f: F,
 }
 
@@ -211,8 +220,8 @@ where
             let k = splat_n(s, [dm, self.mean[c], k1, k2]);
             for o in 0..g.outer {
                 // One prefetch per vector of x and of dy of the next channel.
-                let next_x = next_channel_row(g, self.ins[1], c, o);
-                let next_dy = next_channel_row(g, self.ins[0], c, o);
+                let next_x = next_channel_row(g, self.ins[1], c, o, self.prefetch);
+                let next_dy = next_channel_row(g, self.ins[0], c, o, self.prefetch);
                 run_splat(
                     s,
                     row_of(g, &self.ins, c, o),
@@ -281,6 +290,7 @@ where
     F: VectorFn<N, 3> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
+    let prefetch = g.prefetch_next_channel(size_of::<T>(), 1);
     let split = ChannelMajorSplit::whole_channels(g);
     map_items(g, split.rows_mut(g, y), |_, rows| {
         T::Stat::dispatch(
@@ -291,6 +301,7 @@ where
                 rows,
                 coeffs,
                 stream,
+                prefetch,
                 f,
             },
         )
@@ -343,6 +354,7 @@ where
     F: VectorFn<N, 4> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
+    let prefetch = g.prefetch_next_channel(size_of::<T>(), 2);
     let split = ChannelMajorSplit::whole_channels(g);
     map_items(g, split.rows_mut(g, dx), |_, rows| {
         T::Stat::dispatch(
@@ -354,6 +366,7 @@ where
                 rows,
                 coeffs,
                 stream,
+                prefetch,
                 f,
             },
         )
@@ -532,6 +545,7 @@ pub fn backward_training_side<T: Element>(
     // `sg` is read back by the second sweep, so it counts as resident data too.
     if g.resident(size, inputs + 1) {
         let stream = g.stream_resident(size);
+        let prefetch = g.prefetch_next_channel(size, 1);
         let split = ChannelMajorSplit::whole_channels(g);
         let items: Vec<_> = split
             .rows_mut(g, sg)
@@ -550,6 +564,7 @@ pub fn backward_training_side<T: Element>(
                     dx,
                     coeffs,
                     stream,
+                    prefetch,
                 },
             )
         })
@@ -583,6 +598,7 @@ struct ResidentSide<'a, T: Element, C> {
     dx: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
+    prefetch: bool,
 }
 
 impl<T: Element, C> Kernel<T::Stat> for ResidentSide<'_, T, C>
@@ -612,7 +628,7 @@ where
                 // x of the next channel only: prefetching its dy as well measured
                 // −8 % … +28 % here (the worst: bf16 64x64x112x112, two runs of
                 // `scripts/ab.sh`), where `ResidentBackward` gained from it.
-                let next = [next_channel_row(g, x, c, o), None];
+                let next = [next_channel_row(g, x, c, o, self.prefetch), None];
                 let [xr] = row_of(g, &[x], c, o);
                 run_splat(
                     s,
