@@ -545,7 +545,6 @@ pub fn backward_training_side<T: Element>(
     // `sg` is read back by the second sweep, so it counts as resident data too.
     if g.resident(size, inputs + 1) {
         let stream = g.stream_resident(size);
-        let prefetch = g.prefetch_next_channel(size, 1);
         let split = ChannelMajorSplit::whole_channels(g);
         let items: Vec<_> = split
             .rows_mut(g, sg)
@@ -564,7 +563,6 @@ pub fn backward_training_side<T: Element>(
                     dx,
                     coeffs,
                     stream,
-                    prefetch,
                 },
             )
         })
@@ -598,7 +596,6 @@ struct ResidentSide<'a, T: Element, C> {
     dx: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
-    prefetch: bool,
 }
 
 impl<T: Element, C> Kernel<T::Stat> for ResidentSide<'_, T, C>
@@ -627,8 +624,10 @@ where
             for o in 0..g.outer {
                 // x of the next channel only: prefetching its dy as well measured
                 // −8 % … +28 % here (the worst: bf16 64x64x112x112, two runs of
-                // `scripts/ab.sh`), where `ResidentBackward` gained from it.
-                let next = [next_channel_row(g, x, c, o, self.prefetch), None];
+                // `scripts/ab.sh`), where `ResidentBackward` gained from it. Always:
+                // with four resident tensors a channel of x is at most 2 MiB, under
+                // `PREFETCH_CHANNEL_BYTES`.
+                let next = [next_channel_row(g, x, c, o, true), None];
                 let [xr] = row_of(g, &[x], c, o);
                 run_splat(
                     s,
