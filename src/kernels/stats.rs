@@ -772,7 +772,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
 #[cfg(test)]
 mod tests {
     use super::{channel_moments, channel_rows_in, Moments};
-    use crate::element::{Element, Real};
+    use crate::element::Element;
     use crate::kernels::simd::{Dispatch, Isa, Kernel, Simd};
     use crate::kernels::{ChannelMajorSplit, Geometry};
 
