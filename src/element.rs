@@ -42,8 +42,20 @@ pub trait Real:
 /// A tensor element type: `f32`, `f16`, `bf16` (statistics in `f32`) or `f64`.
 ///
 /// This trait is sealed; the four implementations are the only ones.
+///
+/// Its supertrait `Mono` (hidden) holds this crate's compiled instantiation of the typed
+/// API for each type, so that a crate calling [`Problem::forward`](crate::Problem::forward)
+/// and the other methods does not compile the kernels again.
 pub trait Element:
-    Copy + Default + Debug + PartialEq + Send + Sync + 'static + sealed::Sealed
+    Copy
+    + Default
+    + Debug
+    + PartialEq
+    + Send
+    + Sync
+    + 'static
+    + sealed::Sealed
+    + crate::batch_norm::mono::Mono
 {
     /// The statistics type `U` that goes with this element type.
     type Stat: Real;

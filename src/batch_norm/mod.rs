@@ -43,6 +43,7 @@ use crate::kernels::simd::Isa;
 use crate::kernels::Geometry;
 use crate::tensor::numel;
 
+pub(crate) mod mono;
 pub mod phases;
 mod whole;
 

@@ -128,6 +128,10 @@ impl Problem {
     /// Phase 1: this shard's per-channel moments (`count` = the elements per channel;
     /// an empty shard gives count 0). Reads `x` once.
     pub fn moments<T: Element>(&self, x: &[T]) -> Result<Vec<Moments>> {
+        T::mono_moments(self, x)
+    }
+
+    pub(super) fn moments_impl<T: Element>(&self, x: &[T]) -> Result<Vec<Moments>> {
         self.check_x("x", x.len())?;
         if self.is_empty() {
             return Ok(vec![Moments::EMPTY; self.channels()]);
@@ -141,6 +145,18 @@ impl Problem {
     /// elements writes only the statistics. With a global count of 0 every statistic
     /// is NaN. Fails when a channel's global count is less than this shard's.
     pub fn forward_apply<T: Element>(
+        &self,
+        x: &[T],
+        affine: Affine<'_, T::Stat>,
+        moments: &[Moments],
+        stats: TrainingStats<'_, T::Stat>,
+        epilogue: Epilogue<'_, T>,
+        y: &mut [T],
+    ) -> Result<()> {
+        T::mono_forward_apply(self, x, affine, moments, stats, epilogue, y)
+    }
+
+    pub(super) fn forward_apply_impl<T: Element>(
         &self,
         x: &[T],
         affine: Affine<'_, T::Stat>,
@@ -184,6 +200,15 @@ impl Problem {
     /// masked `dy` in the same pass (the side input's gradient is local). Reads `dy`
     /// and `x` once.
     pub fn backward_sums<T: Element>(
+        &self,
+        inputs: GradInputs<'_, T>,
+        mean: &[T::Stat],
+        epilogue: GradEpilogue<'_, T>,
+    ) -> Result<Vec<GradSums>> {
+        T::mono_backward_sums(self, inputs, mean, epilogue)
+    }
+
+    pub(super) fn backward_sums_impl<T: Element>(
         &self,
         inputs: GradInputs<'_, T>,
         mean: &[T::Stat],
@@ -237,6 +262,18 @@ impl Problem {
     /// tensor fewer is read ([`Problem::backward_sync`](crate::Problem::backward_sync)
     /// and the whole op do this).
     pub fn backward_apply<T: Element>(
+        &self,
+        inputs: GradInputs<'_, T>,
+        scale: &[T::Stat],
+        saved: Statistics<'_, T::Stat>,
+        sums: &[GradSums],
+        relu_output: Option<&[T]>,
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        T::mono_backward_apply(self, inputs, scale, saved, sums, relu_output, grads)
+    }
+
+    pub(super) fn backward_apply_impl<T: Element>(
         &self,
         inputs: GradInputs<'_, T>,
         scale: &[T::Stat],

@@ -76,6 +76,17 @@ impl Problem {
         epilogue: Epilogue<'_, T>,
         y: &mut [T],
     ) -> Result<()> {
+        T::mono_forward(self, x, affine, mode, epilogue, y)
+    }
+
+    pub(super) fn forward_impl<T: Element>(
+        &self,
+        x: &[T],
+        affine: Affine<'_, T::Stat>,
+        mode: Forward<'_, T::Stat>,
+        epilogue: Epilogue<'_, T>,
+        y: &mut [T],
+    ) -> Result<()> {
         match mode {
             Forward::Training(stats) => self.forward_training(x, affine, stats, epilogue, y),
             Forward::Inference(s) => {
@@ -167,6 +178,17 @@ impl Problem {
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
     pub fn backward<T: Element>(
+        &self,
+        inputs: GradInputs<'_, T>,
+        scale: &[T::Stat],
+        mode: Backward<'_, T::Stat>,
+        epilogue: GradEpilogue<'_, T>,
+        grads: Gradients<'_, T>,
+    ) -> Result<()> {
+        T::mono_backward(self, inputs, scale, mode, epilogue, grads)
+    }
+
+    pub(super) fn backward_impl<T: Element>(
         &self,
         inputs: GradInputs<'_, T>,
         scale: &[T::Stat],
@@ -274,6 +296,15 @@ impl Problem {
     /// # Ok::<(), fusedbn::Error>(())
     /// ```
     pub fn second_order<T: Element>(
+        &self,
+        inputs: SecondOrderInputs<'_, T>,
+        mode: Mode,
+        out: SecondOrderGradients<'_, T>,
+    ) -> Result<()> {
+        T::mono_second_order(self, inputs, mode, out)
+    }
+
+    pub(super) fn second_order_impl<T: Element>(
         &self,
         inputs: SecondOrderInputs<'_, T>,
         mode: Mode,
