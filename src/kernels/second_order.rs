@@ -87,7 +87,14 @@ pub fn reduce<T: Element>(
     let per: Vec<Six> = if geo.channels_last() {
         let partials = PixelSplit::reduce(geo).map(geo, |r| {
             let ins = [&g[r.clone()], &x[r.clone()], &a[r]];
-            T::Stat::dispatch(isa, PixelSums { ins, shifts })
+            T::Stat::dispatch(
+                isa,
+                PixelSums {
+                    ins,
+                    shifts,
+                    strips: true,
+                },
+            )
         });
         let mut total = vec![[0f64; 6]; c];
         for p in &partials {
@@ -178,9 +185,20 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     }
 }
 
+/// At most this many channel groups (vectors of channels): [`PixelSums`] sums one group
+/// at a time over a tile, in registers.
+const STRIP_GROUPS: usize = 4;
+
+/// The bytes of the three inputs in one block of pixels summed a group at a time: half
+/// of a 32 KiB L1, so that every group after the first reads the block from L1.
+const STRIP_BLOCK_BYTES: usize = 16 << 10;
+
 struct PixelSums<'a, T: Element> {
     ins: [&'a [T]; 3],
     shifts: [&'a [T::Stat]; 3],
+    /// Whether a group at a time is allowed (with at most [`STRIP_GROUPS`] groups);
+    /// false only in the test that checks both give the same bits.
+    strips: bool,
 }
 
 impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
@@ -209,21 +227,62 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
         while start < len {
             let end = (start + tile).min(len);
             acc.fill([zero; 6]);
-            let mut p = start;
-            while p < end {
-                // One pixel: its whole vectors with the bounds proved once, then the
-                // partial group.
-                let ins = window(self.ins, p, c);
-                let r = Reads::new(l, ins, c);
-                for ((ac, k), j) in acc.iter_mut().zip(&shifts).zip(0..whole) {
-                    let [g, x, a] = r.load(s, j);
-                    accumulate(s, g, x, a, k, ac);
+            if self.strips && c > 0 && groups <= STRIP_GROUPS {
+                // Few channel groups: blocks of pixels small enough for L1, and in each
+                // block one group at a time, its six sums in registers. Each lane still
+                // adds its pixels in order: the same sums, bit for bit.
+                let block = (STRIP_BLOCK_BYTES / (3 * c * size_of::<T>())).max(1) * c;
+                let mut b = start;
+                while b < end {
+                    let e = (b + block).min(end);
+                    let blk = window(self.ins, b, e - b);
+                    let pixels = [
+                        blk[0].chunks_exact(c),
+                        blk[1].chunks_exact(c),
+                        blk[2].chunks_exact(c),
+                    ];
+                    for gi in 0..whole {
+                        let at = gi * l;
+                        assert!(at + l <= c);
+                        let k = &shifts[gi];
+                        let mut a6 = acc[gi];
+                        let [pg, px, pa] = pixels.clone();
+                        for ((g, x), a) in pg.zip(px).zip(pa) {
+                            let (g, x, a) = (s.load(&g[at..]), s.load(&x[at..]), s.load(&a[at..]));
+                            accumulate(s, g, x, a, k, &mut a6);
+                        }
+                        acc[gi] = a6;
+                    }
+                    if rest > 0 {
+                        let at = whole * l;
+                        let k = &shifts[whole];
+                        let mut a6 = acc[whole];
+                        let [pg, px, pa] = pixels;
+                        for ((g, x), a) in pg.zip(px).zip(pa) {
+                            let [g, x, a] = load_partial_n(s, &[g, x, a], at, rest);
+                            accumulate(s, g, x, a, k, &mut a6);
+                        }
+                        acc[whole] = a6;
+                    }
+                    b = e;
                 }
-                if rest > 0 {
-                    let [g, x, a] = load_partial_n(s, &ins, whole * l, rest);
-                    accumulate(s, g, x, a, &shifts[whole], &mut acc[whole]);
+            } else {
+                let mut p = start;
+                while p < end {
+                    // One pixel: its whole vectors with the bounds proved once, then the
+                    // partial group.
+                    let ins = window(self.ins, p, c);
+                    let r = Reads::new(l, ins, c);
+                    for ((ac, k), j) in acc.iter_mut().zip(&shifts).zip(0..whole) {
+                        let [g, x, a] = r.load(s, j);
+                        accumulate(s, g, x, a, k, ac);
+                    }
+                    if rest > 0 {
+                        let [g, x, a] = load_partial_n(s, &ins, whole * l, rest);
+                        accumulate(s, g, x, a, &shifts[whole], &mut acc[whole]);
+                    }
+                    p += c;
                 }
-                p += c;
             }
             for k in 0..6 {
                 for (gi, ac) in acc.iter().enumerate() {
@@ -409,6 +468,75 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                     let (vg, vx) = eval(s, g, x, a, &kv);
                     s.store_partial(dgt, vg);
                     s.store_partial(dxt, vx);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PixelSums, Six};
+    use crate::element::{Element, Real};
+    use crate::kernels::simd::{Dispatch, Isa};
+    use half::bf16;
+
+    /// The channels-last reduction one channel group at a time (few groups) must give
+    /// the bits of the pixel-at-a-time loop, on every ISA: C below, at and above a
+    /// vector, with a partial group, one tile and several (C = 32: 1024 pixels a tile),
+    /// far-from-zero data, NaN and Inf, f32 and bf16.
+    #[test]
+    fn channel_groups_match_pixel_at_a_time_bit_for_bit() {
+        fn check<T: Element>(isa: Isa, c: usize, pixels: usize, case: usize) {
+            let make = |seed: usize| -> Vec<T> {
+                (0..pixels * c)
+                    .map(|i| {
+                        let v = ((i * 7919 + seed * 131) % 1013) as f64 / 1013.0 - 0.5;
+                        let v = match (case, i % c) {
+                            (1, _) => 3.0e4 + v,
+                            (2, 0) if i % 11 == 0 => f64::NAN,
+                            (2, 1) if i % 13 == 0 => f64::INFINITY,
+                            _ => v,
+                        };
+                        T::narrow(T::Stat::from_f64(v))
+                    })
+                    .collect()
+            };
+            let (g, x, a) = (make(1), make(2), make(3));
+            let shift = |k: usize| -> Vec<T::Stat> {
+                (0..c)
+                    .map(|ch| T::Stat::from_f64(0.25 * (ch + k) as f64))
+                    .collect()
+            };
+            let (m, kg, ka) = (shift(0), shift(1), shift(2));
+            let run = |strips: bool| -> Vec<Six> {
+                T::Stat::dispatch(
+                    isa,
+                    PixelSums {
+                        ins: [&g, &x, &a],
+                        shifts: [&m, &kg, &ka],
+                        strips,
+                    },
+                )
+            };
+            let (by_group, by_pixel) = (run(true), run(false));
+            for (ch, (p, q)) in by_group.iter().zip(&by_pixel).enumerate() {
+                let same = p
+                    .iter()
+                    .zip(q)
+                    .all(|(u, v)| u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan()));
+                assert!(
+                    same,
+                    "{isa:?} {} C={c} pixels={pixels} case {case} channel {ch}: {p:?} vs {q:?}",
+                    std::any::type_name::<T>()
+                );
+            }
+        }
+        for isa in Isa::supported() {
+            for (c, pixels) in [(1, 37), (3, 300), (8, 64), (20, 129), (32, 2500), (40, 70)] {
+                for case in 0..3 {
+                    check::<f32>(isa, c, pixels, case);
+                    check::<bf16>(isa, c, pixels, case);
                 }
             }
         }
