@@ -39,7 +39,7 @@ use crate::tensor::{numel, DType, Tensor, TensorData};
 const ACCEPTED: &str = "expected '<f4', '<f8', '<f2' or bfloat16 ('<V2')";
 
 /// The longest header the reader accepts, in bytes (NumPy's own reader refuses more than
-/// 10 000 by default; this is larger so that every header [`write`] produces, up to
+/// 10 000 by default; this is larger so that every header [`write()`] produces, up to
 /// rank ~300 000, reads back). The header is parsed in one linear pass, so even the
 /// longest takes well under a millisecond.
 pub const MAX_HEADER_BYTES: usize = 1 << 20;

@@ -21,7 +21,7 @@ impl Problem {
     /// [`Forward::Inference`]. The [`Epilogue`] adds the Ex op's side input and ReLU in
     /// the same pass. With an empty `x` every statistic is NaN.
     ///
-    /// Training is [`phases::Problem::moments`] → [`forward_apply`](Problem::forward_apply)
+    /// Training is [`Problem::moments`] → [`forward_apply`](Problem::forward_apply)
     /// fused: channel-major channels small enough to stay in cache are reduced and
     /// normalized while they are still there (one read of `x` from memory).
     ///
