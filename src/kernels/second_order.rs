@@ -13,13 +13,10 @@
 
 use rayon::prelude::*;
 
-use std::mem::size_of;
-
-use super::apply::{head_len, lcm, Pattern};
 use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
     channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit, MAX_PERIOD, TASK,
+    PixelSplit, TASK,
 };
 use crate::element::{Element, Real};
 
@@ -350,12 +347,6 @@ fn eval<U: Real, S: Simd<U>>(s: S, g: S::V, x: S::V, a: S::V, k: &[S::V; 8]) -> 
 }
 
 /// Writes `outs = (d_g, d_x)` (see the module docs) from `ins = [g, x, a]`.
-///
-/// Like the first-order passes: pairs of vectors in the ISA's pair order (one bf16
-/// narrowing for two vectors), channels-last constants laid out along the stream
-/// ([`Pattern`]), and, for outputs larger than the last-level cache
-/// ([`Geometry::stream`]), non-temporal stores, so that the two outputs are not read
-/// before they are written.
 pub fn apply<T: Element>(
     geo: &Geometry,
     isa: Isa,
@@ -367,16 +358,6 @@ pub fn apply<T: Element>(
     let row_len = geo.row_len();
     let rows = (TASK / row_len.max(1)).max(1);
     let chunk = (rows * row_len).max(1);
-    let stream = geo.stream(size_of::<T>());
-    // The constants as eight columns (one allocation), once for every task.
-    let c = k.len();
-    let mut columns = vec![T::Stat::ZERO; 8 * c];
-    for (ch, k) in k.iter().enumerate() {
-        for (j, v) in k.array().into_iter().enumerate() {
-            columns[j * c + ch] = v;
-        }
-    }
-    let cols: [&[T::Stat]; 8] = std::array::from_fn(|j| &columns[j * c..][..c]);
     let run = |i: usize, (dg, dx): (&mut [T], &mut [T])| {
         let off = i * chunk;
         let ins = sub_n(&[g, x, a], off, Some(dg.len()));
@@ -386,10 +367,9 @@ pub fn apply<T: Element>(
                 geo,
                 row0: i * rows,
                 ins,
-                cols,
+                k,
                 dg,
                 dx,
-                stream,
             },
         );
     };
@@ -410,10 +390,9 @@ struct Apply<'a, T: Element> {
     geo: &'a Geometry,
     row0: usize,
     ins: [&'a [T]; 3],
-    cols: [&'a [T::Stat]; 8],
+    k: &'a [SecondOrderCoeffs<T::Stat>],
     dg: &'a mut [T],
     dx: &'a mut [T],
-    stream: bool,
 }
 
 impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
@@ -422,356 +401,87 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
     fn run<S: Simd<T::Stat>>(self, s: S) {
         let (geo, l) = (self.geo, S::LANES);
         let (dg, dx) = (self.dg, self.dx);
-        let pairs = s.pair_even_odd::<T>();
         if geo.channels_last() {
+            // Per-channel constants padded to whole vectors, one set per channel group;
+            // each pixel: its whole vectors with the bounds proved once, then the
+            // partial group.
             let c = geo.channels;
-            // As the first-order passes: the pattern's period is lcm(C, lanes),
-            // repeated to at least 128 elements.
-            let period = lcm(c, l);
-            let period = period * (128 / period).max(1);
-            if period <= MAX_PERIOD {
-                let head = stream_head(dg, dx, l, self.stream);
-                let pattern = Pattern::new(self.cols, c, period, head.unwrap_or(0), l, pairs);
-                run_pattern(s, &pattern, self.ins, dg, dx, head.is_some());
-            } else {
-                // A huge period (large C, prime to the lanes): one pixel at a time,
-                // each starting the pattern afresh.
-                let pattern = Pattern::new(self.cols, c, c, 0, l, pairs);
-                let pixels = dg.chunks_exact_mut(c).zip(dx.chunks_exact_mut(c));
-                for (p, (dg, dx)) in pixels.enumerate() {
-                    run_pattern(s, &pattern, window(self.ins, p * c, c), dg, dx, false);
+            let (whole, rest) = (c / l, c % l);
+            let groups = c.div_ceil(l);
+            let mut padded = vec![T::Stat::ZERO; 8 * groups * l];
+            for ch in 0..c {
+                for (j, v) in self.k[ch].array().into_iter().enumerate() {
+                    padded[j * groups * l + ch] = v;
                 }
             }
+            let consts: Vec<[S::V; 8]> = (0..groups)
+                .map(|gi| std::array::from_fn(|j| s.load(&padded[j * groups * l + gi * l..])))
+                .collect();
+            let pixels = dg.len() / c.max(1);
+            for (p, (dg, dx)) in dg
+                .chunks_exact_mut(c)
+                .zip(dx.chunks_exact_mut(c))
+                .enumerate()
+            {
+                let ins = window(self.ins, p * c, c);
+                let r = Reads::new(l, ins, c);
+                let (dgt, dxt) = {
+                    let (dgw, dgt) = dg.split_at_mut(whole * l);
+                    let (dxw, dxt) = dx.split_at_mut(whole * l);
+                    let mut w = Writes::new(l, [dgw, dxw], whole * l);
+                    for (k, j) in consts.iter().zip(0..whole) {
+                        let [g, x, a] = r.load(s, j);
+                        let (vg, vx) = eval(s, g, x, a, k);
+                        w.store(s, 0, j, vg);
+                        w.store(s, 1, j, vx);
+                    }
+                    (dgt, dxt)
+                };
+                if rest > 0 {
+                    let [g, x, a] = load_partial_n(s, &ins, whole * l, rest);
+                    let (vg, vx) = eval(s, g, x, a, &consts[whole]);
+                    s.store_partial(dgt, vg);
+                    s.store_partial(dxt, vx);
+                }
+            }
+            debug_assert_eq!(pixels * c, dg.len());
         } else {
             let n = geo.inner;
             let rows = dg.chunks_exact_mut(n).zip(dx.chunks_exact_mut(n));
             let c = geo.channels;
             let mut ch = self.row0 % c.max(1);
             for (r, (dg, dx)) in rows.enumerate() {
-                let k = splat_n(s, self.cols.map(|col| col[ch]));
+                let kv = splat_n(s, self.k[ch].array());
                 ch = next_cyclic(ch, c);
                 let ins = window(self.ins, r * n, n);
-                let head = stream_head(dg, dx, l, self.stream);
-                let h = head.unwrap_or(0).min(n);
-                if h > 0 {
-                    partial(s, ins, (dg, dx), 0, h, &k);
+                let rd = Reads::new(l, ins, n);
+                let (at, m) = rd.tail();
+                let (dgw, dgt) = dg.split_at_mut(at);
+                let (dxw, dxt) = dx.split_at_mut(at);
+                let mut w = Writes::new(l, [dgw, dxw], at);
+                for j in 0..rd.vectors() {
+                    let [g, x, a] = rd.load(s, j);
+                    let (vg, vx) = eval(s, g, x, a, &kv);
+                    w.store(s, 0, j, vg);
+                    w.store(s, 1, j, vx);
                 }
-                let (ins, dg, dx) = (sub_n(&ins, h, None), &mut dg[h..], &mut dx[h..]);
-                // Every lane has the same constants: the pair order does not matter.
-                run_body(
-                    s,
-                    ins,
-                    (dg, dx),
-                    Some(&k),
-                    usize::MAX,
-                    head.is_some(),
-                    &Splat(k),
-                );
+                if m > 0 {
+                    let [g, x, a] = load_partial_n(s, &ins, at, m);
+                    let (vg, vx) = eval(s, g, x, a, &kv);
+                    s.store_partial(dgt, vg);
+                    s.store_partial(dxt, vx);
+                }
             }
         }
-        if self.stream {
-            s.fence();
-        }
-    }
-}
-
-/// With `stream`: the elements before both outputs are aligned to whole vectors
-/// (`None` where the two are not aligned alike, so neither is streamed); without,
-/// `None`.
-#[inline(always)]
-fn stream_head<T>(dg: &[T], dx: &[T], lanes: usize, stream: bool) -> Option<usize> {
-    if !stream {
-        return None;
-    }
-    let head = head_len(dg, lanes, true);
-    let bytes = lanes * size_of::<T>();
-    (dx.as_ptr().wrapping_add(head) as usize)
-        .is_multiple_of(bytes)
-        .then_some(head)
-}
-
-/// Elements `[at, at + n)` (`n < LANES`) with the constants `k`, by masked loads and
-/// stores.
-#[inline(always)]
-fn partial<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    ins: [&[T]; 3],
-    (dg, dx): (&mut [T], &mut [T]),
-    at: usize,
-    n: usize,
-    k: &[S::V; 8],
-) {
-    let [g, x, a] = load_partial_n(s, &ins, at, n);
-    let (vg, vx) = eval(s, g, x, a, k);
-    s.store_partial(&mut dg[at..at + n], vg);
-    s.store_partial(&mut dx[at..at + n], vx);
-}
-
-/// A channels-last run of whole pixels with constants from `pattern` (whose head is
-/// where both outputs are aligned when `stream`).
-#[inline(always)]
-fn run_pattern<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    pattern: &Pattern<U, 8>,
-    ins: [&[T]; 3],
-    dg: &mut [T],
-    dx: &mut [T],
-    stream: bool,
-) {
-    let (l, head) = (S::LANES, pattern.head.min(dg.len()));
-    if head > 0 {
-        let k = load_partial_n(s, &pattern.head_values(), 0, head);
-        partial(s, ins, (dg, dx), 0, head, &k);
-    }
-    let (ins, dg, dx) = (sub_n(&ins, head, None), &mut dg[head..], &mut dx[head..]);
-    let (values, single) = (pattern.values(), pattern.single());
-    let period = pattern.period;
-    let [a, b, c, d, e, f, g, h] = values;
-    let (k0, k1) = (
-        Reads::new(l, [a, b, c, d], period),
-        Reads::new(l, [e, f, g, h], period),
-    );
-    let [a, b, c, d, e, f, g, h] = single;
-    let (s0, s1) = (
-        Reads::new(l, [a, b, c, d], period),
-        Reads::new(l, [e, f, g, h], period),
-    );
-    let k = Columns {
-        pairs: [k0, k1],
-        single: [s0, s1],
-    };
-    let at = run_body(s, ins, (&mut *dg, &mut *dx), None, k0.vectors(), stream, &k);
-    let n = dg.len() - at;
-    if n > 0 {
-        let p = at % period;
-        let k = load_partial_n(s, &single, p, n);
-        partial(s, ins, (dg, dx), at, n, &k);
-    }
-}
-
-/// Where the eight constants of vector `q` of a period come from (a trait, not a
-/// closure: closures do not inherit the kernels' target features, and were not
-/// inlined: 2x8x8x32 f32 second order 4.5 -> 14 us).
-trait Consts<U: Real, S: Simd<U>> {
-    /// Vector `q` of a whole pair of the period (`q` and `q ^ 1`), in pair order.
-    fn pair(&self, s: S, q: usize) -> [S::V; 8];
-    /// Vector `q` alone, in memory order.
-    fn single(&self, s: S, q: usize) -> [S::V; 8];
-}
-
-/// The same constants in every lane (a channel-major row).
-struct Splat<V>([V; 8]);
-
-impl<U: Real, S: Simd<U>> Consts<U, S> for Splat<S::V> {
-    #[inline(always)]
-    fn pair(&self, _: S, _: usize) -> [S::V; 8] {
-        self.0
-    }
-    #[inline(always)]
-    fn single(&self, _: S, _: usize) -> [S::V; 8] {
-        self.0
-    }
-}
-
-/// A [`Pattern`]'s columns, four constants per [`Reads`].
-struct Columns<'a, U> {
-    pairs: [Reads<'a, U, 4>; 2],
-    single: [Reads<'a, U, 4>; 2],
-}
-
-impl<U: Real, S: Simd<U>> Consts<U, S> for Columns<'_, U> {
-    #[inline(always)]
-    fn pair(&self, s: S, q: usize) -> [S::V; 8] {
-        eight(self.pairs[0].load(s, q), self.pairs[1].load(s, q))
-    }
-    #[inline(always)]
-    fn single(&self, s: S, q: usize) -> [S::V; 8] {
-        eight(self.single[0].load(s, q), self.single[1].load(s, q))
-    }
-}
-
-#[inline(always)]
-fn eight<V: Copy>(a: [V; 4], b: [V; 4]) -> [V; 8] {
-    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-}
-
-/// The whole vectors of a run, period by period (`per` vectors each; `usize::MAX`:
-/// one period): pairs of vectors in the ISA's pair order, then an odd last vector in
-/// memory order; non-temporal stores when `stream` and both outputs are aligned. Returns where the whole vectors end. `tail`: the constants of
-/// the elements after them (`None`: the caller writes those).
-#[inline(always)]
-fn run_body<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    ins: [&[T]; 3],
-    (dg, dx): (&mut [T], &mut [T]),
-    tail: Option<&[S::V; 8]>,
-    per: usize,
-    stream: bool,
-    consts: &impl Consts<U, S>,
-) -> usize {
-    let l = S::LANES;
-    let r = Reads::new(l, ins, dg.len());
-    let (at, n) = r.tail();
-    {
-        let (dgw, dxw) = (&mut dg[..at], &mut dx[..at]);
-        let mut w = Writes::new(l, [dgw, dxw], at);
-        if stream && w.aligned() {
-            body::<U, S, T, true>(s, &r, &mut w, per, consts);
-        } else {
-            body::<U, S, T, false>(s, &r, &mut w, per, consts);
-        }
-    }
-    if let (true, Some(k)) = (n > 0, tail) {
-        partial(s, ins, (dg, dx), at, n, k);
-    }
-    at
-}
-
-#[inline(always)]
-fn body<U: Real, S: Simd<U>, T: Element<Stat = U>, const STREAM: bool>(
-    s: S,
-    r: &Reads<'_, T, 3>,
-    w: &mut Writes<'_, T, 2>,
-    per: usize,
-    consts: &impl Consts<U, S>,
-) {
-    let (total, per) = (r.vectors(), per.max(1));
-    let mut j0 = 0;
-    while j0 < total {
-        let m = per.min(total - j0);
-        for i in 0..m / 2 {
-            let q = 2 * i;
-            let ([g0, x0, a0], [g1, x1, a1]) = r.load_pair(s, j0 + q);
-            let (dg0, dx0) = eval(s, g0, x0, a0, &consts.pair(s, q));
-            let (dg1, dx1) = eval(s, g1, x1, a1, &consts.pair(s, q + 1));
-            w.store_pair::<S, STREAM>(s, 0, j0 + q, dg0, dg1);
-            w.store_pair::<S, STREAM>(s, 1, j0 + q, dx0, dx1);
-        }
-        if m % 2 == 1 {
-            let q = m - 1;
-            let [g, x, a] = r.load(s, j0 + q);
-            let (vg, vx) = eval(s, g, x, a, &consts.single(s, q));
-            w.store::<S, STREAM>(s, 0, j0 + q, vg);
-            w.store::<S, STREAM>(s, 1, j0 + q, vx);
-        }
-        j0 += m;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{eval, Apply, PixelSums, Six};
+    use super::{PixelSums, Six};
     use crate::element::{Element, Real};
-    use crate::kernels::simd::{splat_n, Dispatch, Isa, Kernel, Simd};
-    use crate::kernels::Geometry;
-    use half::{bf16, f16};
-
-    /// `eval` of one element's inputs and constants, narrowed to `T` (the per-element
-    /// oracle of the apply pass's layout).
-    struct One<T: Element> {
-        ins: [T; 3],
-        k: [T::Stat; 8],
-    }
-
-    impl<T: Element> Kernel<T::Stat> for One<T> {
-        type Output = (T, T);
-        fn run<S: Simd<T::Stat>>(self, s: S) -> (T, T) {
-            let [g, x, a] = splat_n(s, self.ins.map(|v| v.widen()));
-            let (vg, vx) = eval(s, g, x, a, &splat_n(s, self.k));
-            let (mut dg, mut dx) = ([T::default()], [T::default()]);
-            s.store_partial(&mut dg, vg);
-            s.store_partial(&mut dx, vx);
-            (dg[0], dx[0])
-        }
-    }
-
-    /// Every element of the apply pass, whatever the alignment of either output and
-    /// streamed or not, is `eval` of its own inputs with its channel's constants: the
-    /// pattern's rotation by the head, the pair order (bf16 even/odd), odd last vectors,
-    /// tails, rows of any length, a period past `MAX_PERIOD`, and NaN (whose narrowing
-    /// takes its own path in pairs), on every ISA.
-    #[test]
-    fn apply_is_eval_per_element_at_any_alignment_streamed_or_not() {
-        fn check<T: Element>(isa: Isa, g: Geometry, offs: (usize, usize), stream: bool) {
-            let len = g.len();
-            let val = |i: usize, seed: usize| -> f64 {
-                if (i * 31 + seed) % 97 == 5 {
-                    return f64::NAN;
-                }
-                ((i * 7919 + seed * 131) % 1013) as f64 / 101.3 - 5.0
-            };
-            let input = |seed: usize| -> Vec<T> {
-                (0..len)
-                    .map(|i| T::narrow(T::Stat::from_f64(val(i, seed))))
-                    .collect()
-            };
-            let ins = [input(1), input(2), input(3)];
-            let columns: [Vec<T::Stat>; 8] = std::array::from_fn(|j| {
-                (0..g.channels)
-                    .map(|ch| T::Stat::from_f64(0.5 + ((ch * 13 + j * 7) % 29) as f64 / 7.0))
-                    .collect()
-            });
-            let cols: [&[T::Stat]; 8] = std::array::from_fn(|j| &columns[j][..]);
-            let (mut bg, mut bx) = (vec![T::default(); len + 40], vec![T::default(); len + 40]);
-            let (dg, dx) = (&mut bg[offs.0..][..len], &mut bx[offs.1..][..len]);
-            T::Stat::dispatch(
-                isa,
-                Apply {
-                    geo: &g,
-                    row0: 0,
-                    ins: [&ins[0], &ins[1], &ins[2]],
-                    cols,
-                    dg,
-                    dx,
-                    stream,
-                },
-            );
-            let (dg, dx) = (&bg[offs.0..][..len], &bx[offs.1..][..len]);
-            let same = |u: T, v: T| {
-                let (u, v) = (u.widen().to_f64(), v.widen().to_f64());
-                u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan())
-            };
-            for i in 0..len {
-                let ch = if g.channels_last() {
-                    i % g.channels
-                } else {
-                    i / g.inner % g.channels
-                };
-                let one = One {
-                    ins: [ins[0][i], ins[1][i], ins[2][i]],
-                    k: columns.each_ref().map(|c| c[ch]),
-                };
-                let (eg, ex) = T::Stat::dispatch(isa, one);
-                assert!(
-                    same(dg[i], eg) && same(dx[i], ex),
-                    "{isa:?} {} {g:?} offsets {offs:?} stream {stream}: element {i}",
-                    std::any::type_name::<T>()
-                );
-            }
-        }
-        let geometries = [
-            Geometry::new(37, 3, 1),
-            Geometry::new(21, 8, 1),
-            Geometry::new(9, 13, 1),
-            Geometry::new(11, 40, 1),
-            Geometry::new(3, 2053, 1), // lcm(2053, lanes) > MAX_PERIOD: pixel by pixel
-            Geometry::new(2, 5, 7),
-            Geometry::new(3, 4, 33),
-            Geometry::new(2, 3, 100),
-            Geometry::new(1, 1, 75),
-        ];
-        for isa in Isa::supported() {
-            for g in geometries {
-                for offs in [(0, 0), (1, 1), (3, 5), (8, 2), (0, 7)] {
-                    for stream in [false, true] {
-                        check::<f32>(isa, g, offs, stream);
-                        check::<bf16>(isa, g, offs, stream);
-                        check::<f16>(isa, g, offs, stream);
-                    }
-                }
-            }
-        }
-    }
+    use crate::kernels::simd::{Dispatch, Isa};
+    use half::bf16;
 
     /// The channels-last reduction one channel group at a time (few groups) must give
     /// the bits of the pixel-at-a-time loop, on every ISA: C below, at and above a

@@ -636,64 +636,14 @@ impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
         }
     }
 
-    /// Whether every output is aligned to whole vectors (so they may be streamed).
+    /// Writes vector `j` of output `i`.
     #[inline(always)]
-    pub fn aligned(&self) -> bool {
-        let bytes = self.lanes * std::mem::size_of::<T>();
-        self.outs
-            .iter()
-            .all(|p| (*p as usize).is_multiple_of(bytes))
-    }
-
-    /// Writes vector `j` of output `i`; non-temporal when `STREAM` (which needs
-    /// [`Writes::aligned`]).
-    #[inline(always)]
-    pub fn store<S: Simd<T::Stat>, const STREAM: bool>(
-        &mut self,
-        s: S,
-        i: usize,
-        j: usize,
-        v: S::V,
-    ) {
+    pub fn store<S: Simd<T::Stat>>(&mut self, s: S, i: usize, j: usize, v: S::V) {
         assert!(j < self.vectors && S::LANES == self.lanes);
         // SAFETY: `(j + 1)·lanes <= len` and every output holds at least `len` elements
         // (checked in `new`); the outputs are borrowed mutably for the life of `self`,
-        // and `self.outs[i]` panics for `i >= M` before any write; streaming is asked
-        // for only after `aligned()`.
-        unsafe {
-            let p = self.outs[i].add(j * self.lanes);
-            if STREAM {
-                debug_assert!(self.aligned());
-                s.stream_ptr(p, v)
-            } else {
-                s.store_ptr(p, v)
-            }
-        }
-    }
-
-    /// Writes vectors `j` and `j + 1` of output `i` from a pair in the order of
-    /// [`Simd::pair_even_odd`]; non-temporal when `STREAM` (which needs
-    /// [`Writes::aligned`]).
-    #[inline(always)]
-    pub fn store_pair<S: Simd<T::Stat>, const STREAM: bool>(
-        &mut self,
-        s: S,
-        i: usize,
-        j: usize,
-        a: S::V,
-        b: S::V,
-    ) {
-        assert!(j + 1 < self.vectors && S::LANES == self.lanes);
-        // SAFETY: `(j + 2)·lanes <= len`, otherwise as in `store`.
-        unsafe {
-            let p = self.outs[i].add(j * self.lanes);
-            if STREAM {
-                debug_assert!(self.aligned());
-                s.stream_pair_ptr(p, a, b)
-            } else {
-                s.store_pair_ptr(p, a, b)
-            }
-        }
+        // and `self.outs[i]` panics for `i >= M` before any write.
+        unsafe { s.store_ptr(self.outs[i].add(j * self.lanes), v) }
     }
 }
 
