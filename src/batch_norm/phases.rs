@@ -181,14 +181,17 @@ impl Problem {
         }
         if !self.is_empty() {
             let eps = f64::from(self.epsilon());
-            let k: Vec<[T::Stat; 3]> = moments
-                .iter()
-                .enumerate()
-                .map(|(c, &mo)| forward_coeffs(affine, c, mo, eps))
-                .collect();
-            let [shift, a, b] = fused::columns(&k);
-            let k = [&shift[..], &a, &b];
-            apply::affine(self.geometry(), self.isa(), x, k, epilogue.kernel(), y);
+            let k = fused::Columns::new(self.channels(), |c| {
+                forward_coeffs(affine, c, moments[c], eps)
+            });
+            apply::affine(
+                self.geometry(),
+                self.isa(),
+                x,
+                k.get(),
+                epilogue.kernel(),
+                y,
+            );
         }
         write_training_stats(moments, self.channels(), stats);
         Ok(())
@@ -304,18 +307,17 @@ impl Problem {
         let sum_dy_xc: Vec<f64> = sums.iter().map(|s| s.sum_dy_xc).collect();
         if !self.is_empty() {
             let (g, isa) = (self.geometry(), self.isa());
-            let k: Vec<[T::Stat; 3]> = sums
-                .iter()
-                .enumerate()
-                .map(|(c, s)| backward_coeffs(scale, saved, eps, s.count, c, s.sum_dy, s.sum_dy_xc))
-                .collect();
-            let [dm, k1, k2] = fused::columns(&k);
+            let k = fused::Columns::new(self.channels(), |c| {
+                let s = &sums[c];
+                backward_coeffs(scale, saved, eps, s.count, c, s.sum_dy, s.sum_dy_xc)
+            });
+            let [dm, k1, k2] = k.get();
             let data = GradData {
                 dy: inputs.y_backprop,
                 mask: relu_output,
                 x: inputs.x,
             };
-            backward::apply(g, isa, data, [&dm, saved.mean, &k1, &k2], grads.x);
+            backward::apply(g, isa, data, [dm, saved.mean, k1, k2], grads.x);
         }
         write_param_grads(saved, eps, &sum_dy, &sum_dy_xc, grads.scale, grads.offset);
         Ok(())

@@ -333,38 +333,34 @@ impl Problem {
             self.elements_per_channel() as f64,
             f64::from(self.epsilon()),
         );
-        let (mean, var): (Vec<T::Stat>, Vec<f64>) = if is_training {
-            let mo = stats::channel_moments(g, isa, i.x);
-            (
-                mo.iter().map(|v| T::Stat::from_f64(v.mean)).collect(),
-                mo.iter().map(|v| v.variance()).collect(),
-            )
-        } else {
-            (
-                i.reserve.mean.to_vec(),
-                i.reserve.variance.iter().map(|v| v.to_f64()).collect(),
-            )
+        // The three shifts of the reduction, `[μ, kg, ka]`, as columns of one
+        // allocation; in training, g and A are shifted by each channel's first element,
+        // so that centred sums cancel exactly where they should (one element per
+        // channel).
+        let moments = is_training.then(|| stats::channel_moments(g, isa, i.x));
+        let mut shifts = vec![zero; 3 * c];
+        for ch in 0..c {
+            shifts[ch] = match &moments {
+                Some(mo) => T::Stat::from_f64(mo[ch].mean),
+                None => i.reserve.mean[ch],
+            };
+            if is_training {
+                shifts[c + ch] = i.y_backprop[ch * g.inner].widen();
+                shifts[2 * c + ch] = i.grad_x_backprop[ch * g.inner].widen();
+            }
+        }
+        let (mean, rest) = shifts.split_at(c);
+        let (kg, ka) = rest.split_at(c);
+        let var = |ch: usize| match &moments {
+            Some(mo) => mo[ch].variance(),
+            None => i.reserve.variance[ch].to_f64(),
         };
-        // Shift g and A by each channel's first element in training, so that centred
-        // sums cancel exactly where they should (one element per channel).
-        let first = |v: &[T]| -> Vec<T::Stat> {
-            (0..c)
-                .map(|ch| {
-                    if is_training {
-                        v[ch * g.inner].widen()
-                    } else {
-                        T::Stat::ZERO
-                    }
-                })
-                .collect()
-        };
-        let (kg, ka) = (first(i.y_backprop), first(i.grad_x_backprop));
         let ins = [i.y_backprop, i.x, i.grad_x_backprop];
-        let sums = second_order::reduce(g, isa, ins, [&mean, &kg, &ka]);
+        let sums = second_order::reduce(g, isa, ins, [mean, kg, ka]);
         let u = T::Stat::from_f64;
         let mut k = Vec::with_capacity(c);
         for ch in 0..c {
-            let r = 1.0 / (var[ch] + eps).sqrt();
+            let r = 1.0 / (var(ch) + eps).sqrt();
             let (sc, ga, go) = (
                 i.scale[ch].to_f64(),
                 i.grad_scale_backprop[ch].to_f64(),

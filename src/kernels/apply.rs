@@ -355,16 +355,20 @@ fn splat_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool, co
 /// multiple of `2·lanes`) is laid out in the ISA's pair order instead
 /// (`Simd::pair_even_odd`: even elements, then odd ones) for the pair loads, and
 /// `single` keeps memory order for single vectors and tails.
-struct Pattern<U, const K: usize> {
-    period: usize,
-    head: usize,
-    values: [Vec<U>; K],
-    single: Option<[Vec<U>; K]>,
-    head_values: [Vec<U>; K],
+pub(crate) struct Pattern<U, const K: usize> {
+    pub period: usize,
+    pub head: usize,
+    /// Each of `values`, `single` (with pairs) and `head_values` as `K` rows, one
+    /// after the other in one allocation (three allocations per constant cost the
+    /// 2x8x8x32 second-order pass, eight constants, a tenth of its time).
+    buf: Vec<U>,
+    /// Length of a row of `values` or `single`: `period + lanes`.
+    row: usize,
+    pairs: bool,
 }
 
 impl<U: Real, const K: usize> Pattern<U, K> {
-    fn new(
+    pub fn new(
         consts: [&[U]; K],
         c: usize,
         period: usize,
@@ -373,11 +377,16 @@ impl<U: Real, const K: usize> Pattern<U, K> {
         pairs: bool,
     ) -> Self {
         // One vector of lanes past the period lets a tail read a whole vector.
-        let values = consts.map(|k| cycle(&k[..c], head, period + lanes));
-        let single = pairs.then(|| values.clone());
-        let mut values = values;
+        let row = period + lanes;
+        let rows = if pairs { 2 * K } else { K };
+        let mut buf = Vec::with_capacity(rows * row + K * head);
+        for k in consts {
+            cycle(&mut buf, &k[..c], head, row);
+        }
         if pairs {
-            for v in &mut values {
+            // The memory-order copy (`single`) after the rows laid out in pair order.
+            buf.extend_from_within(..K * row);
+            for v in buf[..K * row].chunks_exact_mut(row) {
                 // A copy of each block on the stack (at most 2 × 16 lanes): an
                 // allocation per block cost 2x8x8x32 bf16 AVX2 forward inference 0.3 µs.
                 let mut memory = [U::ZERO; 32];
@@ -391,35 +400,56 @@ impl<U: Real, const K: usize> Pattern<U, K> {
                 }
             }
         }
+        for k in consts {
+            cycle(&mut buf, &k[..c], 0, head);
+        }
         Pattern {
             period,
             head,
-            values,
-            single,
-            head_values: consts.map(|k| cycle(&k[..c], 0, head)),
+            buf,
+            row,
+            pairs,
         }
     }
 
-    /// The constants in memory order.
-    fn single(&self) -> &[Vec<U>; K] {
-        self.single.as_ref().unwrap_or(&self.values)
+    /// Constant `i` of the element `head + j` at `[i][j]`, `period + lanes` of them, in
+    /// pair order where the pattern has pairs.
+    pub fn values(&self) -> [&[U]; K] {
+        let row = self.row;
+        std::array::from_fn(|i| &self.buf[i * row..][..row])
+    }
+
+    /// As [`Pattern::values`], in memory order.
+    pub fn single(&self) -> [&[U]; K] {
+        let row = self.row;
+        let base = if self.pairs { K * row } else { 0 };
+        std::array::from_fn(|i| &self.buf[base + i * row..][..row])
+    }
+
+    /// The constants of the `head` elements before the pattern.
+    pub fn head_values(&self) -> [&[U]; K] {
+        let (row, head) = (self.row, self.head);
+        let base = if self.pairs { 2 * K * row } else { K * row };
+        std::array::from_fn(|i| &self.buf[base + i * head..][..head])
     }
 }
 
-/// `len` elements of `k` repeated cyclically from index `start`: whole slices copied,
-/// no division per element (this runs once per task, and dominated small tensors).
-fn cycle<U: Copy>(k: &[U], start: usize, len: usize) -> Vec<U> {
-    let mut out = Vec::with_capacity(len);
+/// Appends `len` elements of `k` repeated cyclically from index `start` to `out`: whole
+/// slices copied, no division per element (this runs once per task, and dominated
+/// small tensors).
+fn cycle<U: Real>(out: &mut Vec<U>, k: &[U], start: usize, len: usize) {
     if k.is_empty() {
-        return out;
+        // No channels (no elements either): zeros keep the rows whole.
+        out.resize(out.len() + len, U::ZERO);
+        return;
     }
+    let end = out.len() + len;
     let mut i = start % k.len();
-    while out.len() < len {
-        let take = (k.len() - i).min(len - out.len());
+    while out.len() < end {
+        let take = (k.len() - i).min(end - out.len());
         out.extend_from_slice(&k[i..i + take]);
         i = 0;
     }
-    out
 }
 
 /// A run of whole pixels with constants from `pattern`: the pattern's period is a whole
@@ -439,9 +469,8 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     F: VectorFn<N, K>,
 {
     let (l, head) = (S::LANES, pattern.head.min(out.len()));
-    let (values, head_values) = (pattern.values.each_ref(), pattern.head_values.each_ref());
-    let (values, head_values) = (values.map(|v| &v[..]), head_values.map(|v| &v[..]));
-    let single = pattern.single().each_ref().map(|v| &v[..]);
+    let (values, head_values) = (pattern.values(), pattern.head_values());
+    let single = pattern.single();
     if head > 0 {
         let k = load_partial_n(s, &head_values, 0, head);
         let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);

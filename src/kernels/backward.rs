@@ -50,9 +50,15 @@ impl BackwardSums {
         }
     }
 
-    /// The channel-by-channel total of per-task partial sums, added in task order.
-    pub fn total(c: usize, partials: &[BackwardSums]) -> Self {
-        let mut sums = BackwardSums::zeros(c);
+    /// The channel-by-channel total of per-task partial sums, added in task order. The
+    /// first task's sums become the total (plus 0.0, as the sum from zeros they replace:
+    /// the same bits, −0 included), without another allocation.
+    pub fn total(c: usize, partials: Vec<BackwardSums>) -> Self {
+        let mut partials = partials.into_iter();
+        let mut sums = partials.next().unwrap_or_else(|| BackwardSums::zeros(c));
+        for v in sums.sum_dy.iter_mut().chain(&mut sums.sum_dy_xc) {
+            *v += 0.0;
+        }
         for p in partials {
             for (a, b) in sums.sum_dy.iter_mut().zip(&p.sum_dy) {
                 *a += b;
@@ -114,7 +120,7 @@ pub fn reduce<T: Element>(
             );
             sums
         });
-        BackwardSums::total(c, &partials)
+        BackwardSums::total(c, partials)
     } else {
         let per = ChannelMajorSplit::new(g).map_channels(
             g,

@@ -266,13 +266,8 @@ pub fn forward_training<T: Element>(
         }
     } else {
         let moments = stats::channel_moments(g, isa, x);
-        let k: Vec<[T::Stat; 3]> = moments
-            .iter()
-            .enumerate()
-            .map(|(c, m)| coeffs(c, *m))
-            .collect();
-        let [shift, a, b] = columns(&k);
-        apply::affine(g, isa, x, [&shift, &a, &b], epi, y);
+        let k = Columns::new(g.channels, |c| coeffs(c, moments[c]));
+        apply::affine(g, isa, x, k.get(), epi, y);
         moments
     }
 }
@@ -331,11 +326,9 @@ pub fn backward_training<T: Element>(
         BackwardSums::from_pairs(&per)
     } else {
         let sums = backward::reduce(g, isa, data, mean);
-        let k: Vec<[T::Stat; 3]> = (0..g.channels)
-            .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
-            .collect();
-        let [dm, k1, k2] = columns(&k);
-        backward::apply(g, isa, data, [&dm, mean, &k1, &k2], dx);
+        let k = Columns::new(g.channels, |c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]));
+        let [dm, k1, k2] = k.get();
+        backward::apply(g, isa, data, [dm, mean, k1, k2], dx);
         sums
     }
 }
@@ -408,7 +401,7 @@ pub fn backward_inference<T: Element>(
             );
             sums
         });
-        BackwardSums::total(c, &partials)
+        BackwardSums::total(c, partials)
     } else {
         let rows = ChannelMajorSplit::new(g).rows_mut(g, dx);
         let tasks: Vec<_> = rows.iter().map(|r| r.task).collect();
@@ -571,16 +564,14 @@ pub fn backward_training_side<T: Element>(
     } else {
         let ones = vec![T::Stat::from_f64(1.0); g.channels];
         let sums = backward_inference(g, isa, data, mean, &ones, sg);
-        let k: Vec<[T::Stat; 3]> = (0..g.channels)
-            .map(|c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]))
-            .collect();
-        let [dm, k1, k2] = columns(&k);
+        let k = Columns::new(g.channels, |c| coeffs(c, sums.sum_dy[c], sums.sum_dy_xc[c]));
+        let [dm, k1, k2] = k.get();
         let masked = GradData {
             dy: &*sg,
             mask: None,
             x: data.x,
         };
-        backward::apply(g, isa, masked, [&dm, mean, &k1, &k2], dx);
+        backward::apply(g, isa, masked, [dm, mean, k1, k2], dx);
         sums
     }
 }
@@ -648,7 +639,26 @@ where
     }
 }
 
-/// Splits per-channel triples into three per-channel vectors.
-pub(crate) fn columns<U: Real>(k: &[[U; 3]]) -> [Vec<U>; 3] {
-    std::array::from_fn(|i| k.iter().map(|t| t[i]).collect())
+/// Per-channel triples `f(channel)` as three per-channel columns, in one allocation
+/// (the triples and three columns were four, which small tensors pay on every call).
+pub(crate) struct Columns<U>(Vec<U>);
+
+impl<U: Real> Columns<U> {
+    /// The columns of `f(0)`, …, `f(c − 1)`.
+    pub fn new(c: usize, mut f: impl FnMut(usize) -> [U; 3]) -> Self {
+        let mut v = vec![U::ZERO; 3 * c];
+        for ch in 0..c {
+            let [a, b, d] = f(ch);
+            (v[ch], v[c + ch], v[2 * c + ch]) = (a, b, d);
+        }
+        Columns(v)
+    }
+
+    /// The three columns.
+    pub fn get(&self) -> [&[U]; 3] {
+        let c = self.0.len() / 3;
+        let (a, rest) = self.0.split_at(c);
+        let (b, d) = rest.split_at(c);
+        [a, b, d]
+    }
 }

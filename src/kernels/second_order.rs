@@ -96,9 +96,15 @@ pub fn reduce<T: Element>(
                 },
             )
         });
-        let mut total = vec![[0f64; 6]; c];
-        for p in &partials {
-            for (t, v) in total.iter_mut().zip(p) {
+        // The first task's sums become the total (plus 0.0, as the sum from zeros
+        // they replace: the same bits, −0 included), without another allocation.
+        let mut partials = partials.into_iter();
+        let mut total = partials.next().unwrap_or_else(|| vec![[0f64; 6]; c]);
+        for t in total.iter_mut().flatten() {
+            *t += 0.0;
+        }
+        for p in partials {
+            for (t, v) in total.iter_mut().zip(&p) {
                 for k in 0..6 {
                     t[k] += v[k];
                 }
@@ -211,14 +217,17 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
         let (whole, rest) = (c / l, c % l);
         let groups = c.div_ceil(l);
         let zero = s.splat(T::Stat::ZERO);
-        // Shifts padded with 0 past C, so the partial group shifts its missing lanes by 0.
-        let padded = self.shifts.map(|v| {
-            let mut p = v.to_vec();
-            p.resize(groups * l, T::Stat::ZERO);
-            p
-        });
+        // Shifts padded with 0 past C, so the partial group shifts its missing lanes by
+        // 0 (through one group's lanes on the stack: one allocation, not four).
         let shifts: Vec<[S::V; 3]> = (0..groups)
-            .map(|gi| padded.each_ref().map(|p| s.load(&p[gi * l..])))
+            .map(|gi| {
+                let chans = gi * l..c.min((gi + 1) * l);
+                self.shifts.map(|v| {
+                    let mut lanes = [T::Stat::ZERO; 64];
+                    lanes[..chans.len()].copy_from_slice(&v[chans.clone()]);
+                    s.load(&lanes[..l])
+                })
+            })
             .collect();
         let mut acc = vec![[zero; 6]; groups];
         let mut lanes = vec![T::Stat::ZERO; groups * l];
@@ -408,14 +417,18 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
             let c = geo.channels;
             let (whole, rest) = (c / l, c % l);
             let groups = c.div_ceil(l);
-            let mut padded = vec![T::Stat::ZERO; 8 * groups * l];
-            for ch in 0..c {
-                for (j, v) in self.k[ch].array().into_iter().enumerate() {
-                    padded[j * groups * l + ch] = v;
-                }
-            }
+            // Built through one group's lanes on the stack: one allocation per task.
             let consts: Vec<[S::V; 8]> = (0..groups)
-                .map(|gi| std::array::from_fn(|j| s.load(&padded[j * groups * l + gi * l..])))
+                .map(|gi| {
+                    let mut lanes = [[T::Stat::ZERO; 64]; 8];
+                    let chans = &self.k[gi * l..c.min((gi + 1) * l)];
+                    for (i, k) in chans.iter().enumerate() {
+                        for (j, v) in k.array().into_iter().enumerate() {
+                            lanes[j][i] = v;
+                        }
+                    }
+                    std::array::from_fn(|j| s.load(&lanes[j][..l]))
+                })
                 .collect();
             let pixels = dg.len() / c.max(1);
             for (p, (dg, dx)) in dg
