@@ -168,6 +168,7 @@ where
                     rows.row(c, o),
                     k,
                     self.stream,
+                    false,
                     &self.f,
                     [next, None],
                 );
@@ -228,6 +229,7 @@ where
                     rows.row(c, o),
                     k,
                     self.stream,
+                    false,
                     &self.f,
                     [next_x, next_dy],
                 );
@@ -626,6 +628,7 @@ where
                     dx.row(c, o),
                     k,
                     self.stream,
+                    false,
                     &BackwardFn,
                     next,
                 );

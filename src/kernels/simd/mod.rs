@@ -427,6 +427,16 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
         self.vectors
     }
 
+    /// Hints that the `n` elements of every input from element `j·lanes + ahead` will
+    /// be read soon: one prefetch per 64-byte line ([`Simd::prefetch_lines`]). Any `j`
+    /// and `ahead` are allowed (past the end, nothing is read and nothing faults).
+    #[inline(always)]
+    pub fn prefetch_ahead<S: Simd<T::Stat>>(&self, s: S, j: usize, ahead: usize, n: usize) {
+        for p in &self.ins {
+            s.prefetch_lines(p.wrapping_add(j * self.lanes + ahead), n);
+        }
+    }
+
     /// Vector `j` of every input.
     #[inline(always)]
     pub fn load<S: Simd<T::Stat>>(&self, s: S, j: usize) -> [S::V; N] {
