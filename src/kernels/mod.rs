@@ -48,8 +48,9 @@ pub const PARALLEL_MIN: usize = 1 << 15;
 /// 4 MiB: on a Zen 4 (1 MiB L2, 32 MiB L3, 2 threads) NCHW backward training of
 /// 64x64x112x112 f32 (6.4 MB of dy and x per channel) went from 1.45–1.48 to
 /// 1.05–1.12 of a copy, and a 16 MiB limit gained little more (1.48 → 1.42 at 12.8
-/// MB). A fixed size, not the machine's cache, so the path — and the last bits of the
-/// statistics — do not depend on the machine.
+/// MB). The limit on machines whose reported last-level cache is at most
+/// [`LLC_CAP_BYTES`]; others count on their L2 alone ([`resident_bytes`]). The path does
+/// not change the bits: both reduce by the same row chunks.
 pub const RESIDENT_BYTES: usize = 8 << 20;
 /// A resident channel-major pass prefetches the next channel's rows while it writes
 /// the current channel's output (so that the next reduction reads from the cache)
@@ -130,12 +131,12 @@ pub(crate) const PREFETCH_BYTES: usize = 8192;
 /// with a 32 MiB L3 (the Zen 3 and Zen 4 of README.md) are unchanged.
 pub const LLC_CAP_BYTES: usize = 96 << 20;
 
-/// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
-/// be read, at most [`LLC_CAP_BYTES`]. Read once per process.
-pub fn llc_bytes() -> usize {
-    static LLC: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LLC.get_or_init(|| {
-        let mut best = 0;
+/// The data caches of CPU 0 as Linux's sysfs gives them: `(largest, level 2)`, in
+/// bytes, 0 where unknown. Read once per process.
+fn caches() -> (usize, usize) {
+    static CACHES: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *CACHES.get_or_init(|| {
+        let (mut best, mut l2) = (0, 0);
         for i in 0..8 {
             let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
             let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).ok();
@@ -144,14 +145,40 @@ pub fn llc_bytes() -> usize {
             }
             if let Some(size) = read("size").and_then(|v| parse_size(v.trim())) {
                 best = best.max(size);
+                if read("level").is_some_and(|v| v.trim() == "2") {
+                    l2 = size;
+                }
             }
         }
-        if best == 0 {
-            32 << 20
-        } else {
-            best.min(LLC_CAP_BYTES)
-        }
+        (best, l2)
     })
+}
+
+/// The size of the largest data cache of CPU 0 (Linux sysfs), or 32 MiB where it cannot
+/// be read, at most [`LLC_CAP_BYTES`].
+pub fn llc_bytes() -> usize {
+    match caches().0 {
+        0 => 32 << 20,
+        best => best.min(LLC_CAP_BYTES),
+    }
+}
+
+/// The most bytes of a channel (all the inputs a pass keeps) that a channel-major
+/// training pass keeps resident: [`RESIDENT_BYTES`], or the core's L2 where the
+/// machine reports a last-level cache larger than [`LLC_CAP_BYTES`] (a host's whole L3
+/// shared with its other tenants, far from the core: residency there must come from
+/// L2). Measured on an Intel Xeon with AVX-512 (2 MiB L2 a core, 480 MiB L3 reported,
+/// 2 cores of a VM; `scripts/ab.sh 3`, NCHW, time ÷ copy, limit 8 MiB against 2 MiB):
+/// 64x64x112x112 (3.2 MB of f32 x a channel) forward training f32 1.43 -> 1.26 with
+/// AVX-512 and 1.63 -> 1.38 with AVX2, backward training bf16 1.71 -> 1.42 and 1.77 ->
+/// 1.51, Ex backward f32 64x256x56x56 (2.4 MB of three inputs) 1.36 -> 0.97; channels
+/// that fit the L2 (64x256x56x56 f32 and bf16) unchanged. The bits do not depend on the
+/// path (both reduce by the same row chunks), so they do not depend on the machine.
+pub(crate) fn resident_bytes() -> usize {
+    match caches() {
+        (llc, l2) if llc > LLC_CAP_BYTES && l2 > 0 => RESIDENT_BYTES.min(l2),
+        _ => RESIDENT_BYTES,
+    }
 }
 
 /// `i + 1`, wrapping to 0 at `n`: the index of a cyclic walk (channel of the next row,
@@ -246,7 +273,7 @@ impl Geometry {
 
     /// Whether a channel-major training pass over `inputs` tensors of elements of `size`
     /// bytes runs channel by channel, each channel reduced and then transformed while it
-    /// is resident in L2 ([`RESIDENT_BYTES`]).
+    /// is resident in the caches ([`resident_bytes`]).
     pub(crate) fn resident(&self, size: usize, inputs: usize) -> bool {
         // Rows of a few cache lines: never resident (see RESIDENT_MIN_ROW_BYTES).
         if self.inner * size < RESIDENT_MIN_ROW_BYTES {
@@ -263,7 +290,7 @@ impl Geometry {
         if self.inner * size < RESIDENT_SHORT_ROW_BYTES && in_cache {
             return false;
         }
-        !self.channels_last() && inputs * self.per_channel() * size <= RESIDENT_BYTES
+        !self.channels_last() && inputs * self.per_channel() * size <= resident_bytes()
     }
 
     /// Whether a resident pass that prefetches `inputs` tensors of elements of `size`
@@ -642,5 +669,6 @@ mod tests {
         assert_eq!(parse_size("x"), None);
         assert_eq!(parse_size(""), None);
         assert!(llc_bytes() >= 1 << 10 && llc_bytes() <= LLC_CAP_BYTES);
+        assert!(resident_bytes() > 0 && resident_bytes() <= RESIDENT_BYTES);
     }
 }
