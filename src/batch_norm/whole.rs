@@ -333,29 +333,24 @@ impl Problem {
             self.elements_per_channel() as f64,
             f64::from(self.epsilon()),
         );
-        // The three shifts of the reduction, `[μ, kg, ka]`, as columns of one
-        // allocation; in training, g and A are shifted by each channel's first element,
-        // so that centred sums cancel exactly where they should (one element per
-        // channel).
+        // The three shifts of the reduction, `[μ, kg, ka]`; in training, g and A are
+        // shifted by each channel's first element, so that centred sums cancel exactly
+        // where they should (one element per channel).
         let moments = is_training.then(|| stats::channel_moments(g, isa, i.x));
-        let mut shifts = vec![zero; 3 * c];
-        for ch in 0..c {
-            shifts[ch] = match &moments {
-                Some(mo) => T::Stat::from_f64(mo[ch].mean),
-                None => i.reserve.mean[ch],
-            };
-            if is_training {
-                shifts[c + ch] = i.y_backprop[ch * g.inner].widen();
-                shifts[2 * c + ch] = i.grad_x_backprop[ch * g.inner].widen();
-            }
-        }
-        let (mean, rest) = shifts.split_at(c);
-        let (kg, ka) = rest.split_at(c);
+        let shifts = fused::Columns::new(c, |ch| match &moments {
+            Some(mo) => [
+                T::Stat::from_f64(mo[ch].mean),
+                i.y_backprop[ch * g.inner].widen(),
+                i.grad_x_backprop[ch * g.inner].widen(),
+            ],
+            None => [i.reserve.mean[ch], zero, zero],
+        });
         let var = |ch: usize| match &moments {
             Some(mo) => mo[ch].variance(),
             None => i.reserve.variance[ch].to_f64(),
         };
         let ins = [i.y_backprop, i.x, i.grad_x_backprop];
+        let [mean, kg, ka] = shifts.get();
         let sums = second_order::reduce(g, isa, ins, [mean, kg, ka]);
         let u = T::Stat::from_f64;
         let mut k = Vec::with_capacity(c);

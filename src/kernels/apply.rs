@@ -185,8 +185,17 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                     *v = k[ch];
                 }
                 let k = splat_n(s, kv);
-                let ahead = self.stream;
-                run_splat(s, ins, out, k, self.stream, ahead, &self.f, [None, None]);
+                // Not resident: a streamed run reads its inputs from DRAM.
+                run_splat(
+                    s,
+                    ins,
+                    out,
+                    k,
+                    self.stream,
+                    self.stream,
+                    &self.f,
+                    [None, None],
+                );
                 ch = next_cyclic(ch, c);
             }
         }
@@ -246,7 +255,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         let pf = [ptr(prefetch[0]), ptr(prefetch[1])];
         let count = prefetch.iter().filter(|p| p.is_some()).count();
         let mut w = Walk::new(l, sub_n(&ins, 0, Some(whole)), &mut out[..whole]);
-        splat_dispatch(s, &mut w, k, f, pf, false, count);
+        splat_dispatch(s, &mut w, k, f, pf, false, count, false);
         let st = len - pair;
         let mut w = Walk::new(l, sub_n(&ins, st, Some(pair)), &mut out[st..]);
         splat_body::<U, S, T, F, N, K, false, 0, false>(s, &mut w, k, f, pf);
@@ -264,11 +273,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         let mut w = Walk::new(l, ins, &mut *out);
         let count = prefetch.iter().filter(|p| p.is_some()).count();
         let stream = stream && w.aligned();
-        if stream && ahead && count == 0 {
-            splat_body::<U, S, T, F, N, K, true, 0, true>(s, &mut w, k, f, pf);
-        } else {
-            splat_dispatch(s, &mut w, k, f, pf, stream, count);
-        }
+        splat_dispatch(s, &mut w, k, f, pf, stream, count, ahead);
         w.tail()
     };
     if n > 0 {
@@ -289,7 +294,9 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
 }
 
 /// [`splat_body`] with its flags as run-time values: `stream` (non-temporal stores;
-/// `w` must be aligned) and the number of prefetched inputs (0, 1 or 2).
+/// `w` must be aligned), the number of prefetched inputs (0, 1 or 2) and `ahead` (the
+/// inputs prefetched ahead: streamed runs without a prefetched next channel only).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
     s: S,
@@ -299,6 +306,7 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
     pf: [*const T; 2],
     stream: bool,
     count: usize,
+    ahead: bool,
 ) where
     U: Real,
     S: Simd<U>,
@@ -306,6 +314,7 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
     F: VectorFn<N, K>,
 {
     match (stream, count) {
+        (true, 0) if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
         (true, 0) => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
         (false, 0) => splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf),
         (true, 1) => splat_body::<U, S, T, F, N, K, true, 1, false>(s, w, k, f, pf),
@@ -378,9 +387,9 @@ fn splat_body<
 /// multiple of `2·lanes`) is laid out in the ISA's pair order instead
 /// (`Simd::pair_even_odd`: even elements, then odd ones) for the pair loads, and
 /// `single` keeps memory order for single vectors and tails.
-pub(crate) struct Pattern<U, const K: usize> {
-    pub period: usize,
-    pub head: usize,
+struct Pattern<U, const K: usize> {
+    period: usize,
+    head: usize,
     /// Each of `values`, `single` (with pairs) and `head_values` as `K` rows, one
     /// after the other in one allocation (three allocations per constant cost the
     /// 2x8x8x32 second-order pass, eight constants, a tenth of its time).
@@ -391,7 +400,7 @@ pub(crate) struct Pattern<U, const K: usize> {
 }
 
 impl<U: Real, const K: usize> Pattern<U, K> {
-    pub fn new(
+    fn new(
         consts: [&[U]; K],
         c: usize,
         period: usize,
@@ -437,20 +446,20 @@ impl<U: Real, const K: usize> Pattern<U, K> {
 
     /// Constant `i` of the element `head + j` at `[i][j]`, `period + lanes` of them, in
     /// pair order where the pattern has pairs.
-    pub fn values(&self) -> [&[U]; K] {
+    fn values(&self) -> [&[U]; K] {
         let row = self.row;
         std::array::from_fn(|i| &self.buf[i * row..][..row])
     }
 
     /// As [`Pattern::values`], in memory order.
-    pub fn single(&self) -> [&[U]; K] {
+    fn single(&self) -> [&[U]; K] {
         let row = self.row;
         let base = if self.pairs { K * row } else { 0 };
         std::array::from_fn(|i| &self.buf[base + i * row..][..row])
     }
 
     /// The constants of the `head` elements before the pattern.
-    pub fn head_values(&self) -> [&[U]; K] {
+    fn head_values(&self) -> [&[U]; K] {
         let (row, head) = (self.row, self.head);
         let base = if self.pairs { 2 * K * row } else { K * row };
         std::array::from_fn(|i| &self.buf[base + i * head..][..head])
