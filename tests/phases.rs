@@ -195,8 +195,11 @@ fn one_shard_is_bit_identical<T: Element>(format: DataFormat, dims: [usize; 4], 
 /// and ones too large to (NCHW 1×2×512×512: 1 MiB per f32 channel), and channels the
 /// phases' reduction splits into row chunks across tasks (NCHW 3×2×300×700: 630 000
 /// elements a channel, resident in the whole ops for f32 without Ex and for the half
-/// types with it, two passes for f32 Ex and f64).
-const SHAPES: [[usize; 4]; 8] = [
+/// types with it, two passes for f32 Ex and f64); and resident tasks of several channels,
+/// whose passes write a channel while they reduce the next: NCHW 2×8×64×64 (rows of
+/// 4096 elements, all eight channels in one task), 2×6×100×100 (rows longer than a
+/// reduction tile, reduced in pieces), 6×3×200×250 (channels reduced in two row chunks).
+const SHAPES: [[usize; 4]; 11] = [
     [1, 1, 1, 1],
     [3, 5, 7, 1],
     [2, 3, 5, 19],
@@ -205,6 +208,9 @@ const SHAPES: [[usize; 4]; 8] = [
     [2, 64, 64, 3],
     [1, 512, 512, 2],
     [3, 300, 700, 2],
+    [2, 64, 64, 8],
+    [2, 100, 100, 6],
+    [6, 200, 250, 3],
 ];
 
 #[test]

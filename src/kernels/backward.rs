@@ -8,8 +8,8 @@
 use super::apply::{elementwise, head_len, VectorFn, STREAM_AHEAD_BYTES};
 use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{
-    channel_tiles, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, PixelSplit,
-    PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace,
+    PixelSplit, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -154,6 +154,20 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     c: usize,
     rows: std::ops::Range<usize>,
 ) -> (f64, f64) {
+    channel_rows_paced(s, g, data, m, c, rows, &mut NoPace)
+}
+
+/// [`channel_rows_in`] with `pace` called after each tile (see [`Pace`]).
+#[inline(always)]
+pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    data: GradData<'_, T>,
+    m: U,
+    c: usize,
+    rows: std::ops::Range<usize>,
+    pace: &mut P,
+) -> (f64, f64) {
     let (dy, mask, x) = (data.dy, data.mask, data.x);
     let (o0, o1) = (rows.start, rows.end);
     let (mut sdy, mut sdx) = (0f64, 0f64);
@@ -167,6 +181,7 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
         sdy += s.sum_f64(acc.0);
         sdx += s.sum_f64(acc.1);
+        pace.tile_done(s, tile);
     }
     (sdy, sdx)
 }

@@ -28,7 +28,8 @@ use super::backward::{
 use super::simd::{splat_n, sub_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, merge_channel_results, ChannelMajorSplit, Geometry, PixelSplit, TaskRows,
+    apply, channel_tiles, merge_channel_results, resident_bytes, ChannelMajorSplit, Geometry,
+    NoPace, Pace, PixelSplit, TaskRows, Tile, RESIDENT_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -65,22 +66,11 @@ fn row_of<'a, T, const N: usize>(
     sub_n(ins, off, Some(g.inner))
 }
 
-/// Row `o` of channel `c + 1` of `x` (channel-major), the data a resident pass over
-/// channel `c` prefetches; `None` for the last channel, or when the pass does not
-/// prefetch (`on`: [`Geometry::prefetch_next_channel`]).
+/// Row `o` of channel `c + 1` of `x` (channel-major), the data the resident side
+/// gradient ([`ResidentSide`]) prefetches over channel `c`; `None` for the last channel.
 #[inline(always)]
-fn next_channel_row<'a, T>(
-    g: &Geometry,
-    x: &'a [T],
-    c: usize,
-    o: usize,
-    on: bool,
-) -> Option<&'a [T]> {
-    if on && c + 1 < g.channels {
-        Some(&x[(o * g.channels + c + 1) * g.inner..][..g.inner])
-    } else {
-        None
-    }
+fn next_channel_row<'a, T>(g: &Geometry, x: &'a [T], c: usize, o: usize) -> Option<&'a [T]> {
+    (c + 1 < g.channels).then(|| &x[(o * g.channels + c + 1) * g.inner..][..g.inner])
 }
 
 /// Outer rows per task of the two-pass channel-major split ([`ChannelMajorSplit::new`]),
@@ -127,15 +117,120 @@ impl Iterator for RowChunks {
     }
 }
 
-/// Forward training over a group of L2-resident channels: for each channel, its
-/// moments (from `ins[0]`, which is x), then the output from the still-cached rows.
+/// The moments of channel `c` of x by the row chunks of the two-pass split, merged in
+/// order (the same bits as the phases' `moments` and the two-pass path), with `pace`
+/// between tiles.
+#[inline(always)]
+fn resident_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    x: &[T],
+    c: usize,
+    pace: &mut P,
+) -> Moments {
+    let (first, rest) = RowChunks::first(g);
+    let mut m = stats::channel_rows_paced(s, g, x, c, first.start, first.end, pace);
+    for r in rest {
+        m = Moments::merge(
+            m,
+            stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace),
+        );
+    }
+    m
+}
+
+/// Writes the output rows of a resident channel `c` (from its still-cached input rows)
+/// while the reduction of channel `reduced` (the next one) walks the same outer rows:
+/// after each tile of that reduction, the rows of `c` whose counterparts it has
+/// finished. The DRAM reads of the next channel then overlap the writes of this one,
+/// as in a copy; one after the other (the reduction, then the output while the next
+/// channel was prefetched) the reduction waited on reads that the prefetch had not
+/// brought into L2 (an Intel Xeon with a 2 MiB L2: the moments of a prefetched 800 KB
+/// channel took 61 us, 15 us from L2, 98 us from DRAM).
+struct RowsBehind<'r, 'a, T, S: Simd<T::Stat>, F, const N: usize, const K: usize>
+where
+    T: Element,
+{
+    g: &'r Geometry,
+    ins: &'r [&'a [T]; N],
+    rows: &'r mut TaskRows<'a, T>,
+    c: usize,
+    reduced: usize,
+    k: [S::V; K],
+    /// The next row of `c` to write.
+    next: usize,
+    /// How many of `ins` (the first) the reduction reads.
+    reads: usize,
+    stream: bool,
+    f: &'r F,
+}
+
+impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize>
+    RowsBehind<'_, '_, T, S, F, N, K>
+{
+    /// Writes the rows of `c` up to (not including) outer row `end`, each prefetching
+    /// the row of the reduced channel `ahead` rows further (of each input it reads):
+    /// the rows its next tile reads. Without the prefetch the reduction's demand loads
+    /// set the pace (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16 1.49
+    /// with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and 1.16).
+    #[inline(always)]
+    fn upto(&mut self, s: S, end: usize, ahead: usize) {
+        let g = self.g;
+        while self.next < end {
+            let o = self.next;
+            // The rows of the reduced channel that its next tile reads.
+            let ahead_row = |i: usize| {
+                let o = o + ahead;
+                (i < self.reads && self.reduced < g.channels && o < g.outer)
+                    .then(|| &self.ins[i][(o * g.channels + self.reduced) * g.inner..][..g.inner])
+            };
+            let pf = [ahead_row(0), ahead_row(1)];
+            run_splat(
+                s,
+                row_of(g, self.ins, self.c, o),
+                self.rows.row(self.c, o),
+                self.k,
+                self.stream,
+                false,
+                self.f,
+                pf,
+            );
+            self.next += 1;
+        }
+    }
+}
+
+impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Pace<S>
+    for RowsBehind<'_, '_, T, S, F, N, K>
+{
+    #[inline(always)]
+    fn tile_done(&mut self, s: S, tile: Tile) {
+        let g = self.g;
+        let at = tile.start - self.reduced * g.inner;
+        let (o, off) = (at / (g.channels * g.inner), at % (g.channels * g.inner));
+        // A tile that ends a row finishes its `count` rows; a piece of a longer row
+        // finishes none before the row's last piece.
+        self.upto(
+            s,
+            if off + tile.step >= g.inner {
+                o + tile.count
+            } else {
+                o
+            },
+            tile.count,
+        );
+    }
+}
+
+/// Forward training over a group of L2-resident channels: the moments of the first
+/// channel, then for each channel its output from the still-cached rows while the next
+/// channel is reduced ([`RowsBehind`]).
 struct ResidentForward<'a, T: Element, C, F, const N: usize> {
     g: &'a Geometry,
     ins: [&'a [T]; N],
     rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
-    prefetch: bool,
     f: F,
 }
 
@@ -149,31 +244,30 @@ where
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Moments> {
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
+        let x = self.ins[0];
         let mut out = Vec::with_capacity(t.c1 - t.c0);
+        let mut m = resident_moments(s, g, x, t.c0, &mut NoPace);
         for c in t.c0..t.c1 {
-            // The reduction in the row chunks of the two-pass split, merged in order:
-            // the same bits as the phases' `moments` and the two-pass path.
-            let x = self.ins[0];
-            let (first, rest) = RowChunks::first(g);
-            let mut m = stats::channel_rows_in(s, g, x, c, first.start, first.end);
-            for r in rest {
-                m = Moments::merge(m, stats::channel_rows_in(s, g, x, c, r.start, r.end));
-            }
-            let k = splat_n(s, (self.coeffs)(c, m));
-            for o in 0..g.outer {
-                let next = next_channel_row(g, self.ins[0], c, o, self.prefetch);
-                run_splat(
-                    s,
-                    row_of(g, &self.ins, c, o),
-                    rows.row(c, o),
-                    k,
-                    self.stream,
-                    false,
-                    &self.f,
-                    [next, None],
-                );
-            }
+            let mut behind = RowsBehind {
+                g,
+                ins: &self.ins,
+                rows: &mut rows,
+                c,
+                reduced: c + 1,
+                k: splat_n(s, (self.coeffs)(c, m)),
+                next: 0,
+                reads: 1,
+                stream: self.stream,
+                f: &self.f,
+            };
+            let next = if c + 1 < t.c1 {
+                resident_moments(s, g, x, c + 1, &mut behind)
+            } else {
+                Moments::EMPTY
+            };
+            behind.upto(s, g.outer, 1);
             out.push(m);
+            m = next;
         }
         if self.stream {
             s.fence();
@@ -191,7 +285,6 @@ struct ResidentBackward<'a, T: Element, C, F, const N: usize> {
     rows: TaskRows<'a, T>,
     coeffs: &'a C,
     stream: bool,
-    prefetch: bool,
     f: F,
 }
 
@@ -206,41 +299,57 @@ where
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
         let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
+        let data = GradData { dy, mask, x };
         let mut out = Vec::with_capacity(t.c1 - t.c0);
+        let mut sums = resident_sums(s, g, data, self.mean, t.c0, &mut NoPace);
         for c in t.c0..t.c1 {
-            let data = GradData { dy, mask, x };
-            let m = self.mean[c];
-            // By row chunks, as the two-pass split (see `ResidentForward`).
-            let (first, rest) = RowChunks::first(g);
-            let (mut sdy, mut sdx) = backward::channel_rows_in(s, g, data, m, c, first);
-            for r in rest {
-                let (a, b) = backward::channel_rows_in(s, g, data, m, c, r);
-                (sdy, sdx) = (sdy + a, sdx + b);
-            }
-            let [dm, k1, k2] = (self.coeffs)(c, sdy, sdx);
-            let k = splat_n(s, [dm, self.mean[c], k1, k2]);
-            for o in 0..g.outer {
-                // One prefetch per vector of x and of dy of the next channel.
-                let next_x = next_channel_row(g, self.ins[1], c, o, self.prefetch);
-                let next_dy = next_channel_row(g, self.ins[0], c, o, self.prefetch);
-                run_splat(
-                    s,
-                    row_of(g, &self.ins, c, o),
-                    rows.row(c, o),
-                    k,
-                    self.stream,
-                    false,
-                    &self.f,
-                    [next_x, next_dy],
-                );
-            }
-            out.push((sdy, sdx));
+            let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
+            let mut behind = RowsBehind {
+                g,
+                ins: &self.ins,
+                rows: &mut rows,
+                c,
+                reduced: c + 1,
+                k: splat_n(s, [dm, self.mean[c], k1, k2]),
+                next: 0,
+                reads: 2,
+                stream: self.stream,
+                f: &self.f,
+            };
+            let next = if c + 1 < t.c1 {
+                resident_sums(s, g, data, self.mean, c + 1, &mut behind)
+            } else {
+                (0.0, 0.0)
+            };
+            behind.upto(s, g.outer, 1);
+            out.push(sums);
+            sums = next;
         }
         if self.stream {
             s.fence();
         }
         out
     }
+}
+
+/// The backward sums of channel `c` by the row chunks of the two-pass split, added in
+/// order (see [`resident_moments`]), with `pace` between tiles.
+#[inline(always)]
+fn resident_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    data: GradData<'_, T>,
+    mean: &[U],
+    c: usize,
+    pace: &mut P,
+) -> (f64, f64) {
+    let (first, rest) = RowChunks::first(g);
+    let (mut sdy, mut sdx) = backward::channel_rows_paced(s, g, data, mean[c], c, first, pace);
+    for r in rest {
+        let (a, b) = backward::channel_rows_paced(s, g, data, mean[c], c, r, pace);
+        (sdy, sdx) = (sdy + a, sdx + b);
+    }
+    (sdy, sdx)
 }
 
 /// Forward pass in training mode: per-channel moments of `x`, then
@@ -255,7 +364,7 @@ pub fn forward_training<T: Element>(
     coeffs: impl Fn(usize, Moments) -> [T::Stat; 3] + Sync + Send,
 ) -> Vec<Moments> {
     let size = size_of::<T>();
-    if g.resident(size, 1) {
+    if g.resident(size, 1, RESIDENT_BYTES) {
         match (epi.side, epi.relu) {
             (None, false) => resident_forward(g, isa, [x], y, &coeffs, Affine),
             (None, true) => resident_forward(g, isa, [x], y, &coeffs, AffineRelu),
@@ -287,7 +396,6 @@ where
     F: VectorFn<N, 3> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
-    let prefetch = g.prefetch_next_channel(size_of::<T>(), 1);
     let split = ChannelMajorSplit::whole_channels(g);
     map_items(g, split.rows_mut(g, y), |_, rows| {
         T::Stat::dispatch(
@@ -298,7 +406,6 @@ where
                 rows,
                 coeffs,
                 stream,
-                prefetch,
                 f,
             },
         )
@@ -320,7 +427,7 @@ pub fn backward_training<T: Element>(
     let GradData { dy, mask, x } = data;
     let size = size_of::<T>();
     let inputs = if mask.is_some() { 3 } else { 2 };
-    if g.resident(size, inputs) {
+    if g.resident(size, inputs, RESIDENT_BYTES) {
         let per = match mask {
             None => resident_backward(g, isa, [dy, x], mean, dx, &coeffs, BackwardFn),
             Some(y) => resident_backward(g, isa, [dy, x, y], mean, dx, &coeffs, BackwardMaskFn),
@@ -349,7 +456,6 @@ where
     F: VectorFn<N, 4> + Copy + Send + Sync,
 {
     let stream = g.stream_resident(size_of::<T>());
-    let prefetch = g.prefetch_next_channel(size_of::<T>(), 2);
     let split = ChannelMajorSplit::whole_channels(g);
     map_items(g, split.rows_mut(g, dx), |_, rows| {
         T::Stat::dispatch(
@@ -361,7 +467,6 @@ where
                 rows,
                 coeffs,
                 stream,
-                prefetch,
                 f,
             },
         )
@@ -538,7 +643,7 @@ pub fn backward_training_side<T: Element>(
     let size = size_of::<T>();
     let inputs = if data.mask.is_some() { 3 } else { 2 };
     // `sg` is read back by the second sweep, so it counts as resident data too.
-    if g.resident(size, inputs + 1) {
+    if g.resident(size, inputs + 1, resident_bytes()) {
         let stream = g.stream_resident(size);
         let split = ChannelMajorSplit::whole_channels(g);
         let items: Vec<_> = split
@@ -617,10 +722,9 @@ where
             for o in 0..g.outer {
                 // x of the next channel only: prefetching its dy as well measured
                 // −8 % … +28 % here (the worst: bf16 64x64x112x112, two runs of
-                // `scripts/ab.sh`), where `ResidentBackward` gained from it. Always:
-                // with four resident tensors a channel of x is at most 2 MiB, under
-                // `PREFETCH_CHANNEL_BYTES`.
-                let next = [next_channel_row(g, x, c, o, true), None];
+                // `scripts/ab.sh`), where the resident backward pass (before it reduced
+                // the next channel while writing this one) gained from it.
+                let next = [next_channel_row(g, x, c, o), None];
                 let [xr] = row_of(g, &[x], c, o);
                 run_splat(
                     s,

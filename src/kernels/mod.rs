@@ -52,20 +52,14 @@ pub const PARALLEL_MIN: usize = 1 << 15;
 /// [`LLC_CAP_BYTES`]; others count on their L2 alone ([`resident_bytes`]). The path does
 /// not change the bits: both reduce by the same row chunks.
 pub const RESIDENT_BYTES: usize = 8 << 20;
-/// A resident channel-major pass prefetches the next channel's rows while it writes
-/// the current channel's output (so that the next reduction reads from the cache)
-/// only when what it prefetches of a channel (x; dy and x in backward training) is at
-/// most this many bytes: past it, the prefetch evicts the current channel from a
-/// shared L3 before its second read. Measured on a Zen 3 (32 MiB L3 shared with the
-/// machine's neighbours, 2 threads, 7–9 interleaved rounds, medians, in process):
-/// NCHW backward training f32 64x64x112x112 (6.4 MB of dy and x a channel) 46.6 ->
-/// 35.3 ms without it, f32 48x64x112x112 (4.8 MB) 27.5 -> 25.4, bf16 128x64x112x112
-/// (6.4 MB) 53.3 -> 45.7, forward training f32 128x64x112x112 (6.4 MB of x) 59.2 ->
-/// 54.6. At 3.2 MB it still gains (forward training f32 64x64x112x112 23.3 -> 21.7 ms
-/// with it; bf16 backward training even), and so does the Ex side gradient's prefetch
-/// of x alone (1.6 MB) beside 6.4 MB of resident data (bf16 64x64x112x112: 28.2
-/// against 34.3 ms without it, `scripts/ab.sh`).
-pub const PREFETCH_CHANNEL_BYTES: usize = 4 << 20;
+/// Channels a resident training task walks at least ([`ChannelMajorSplit::whole_channels`]):
+/// a task writes each channel's output while it reduces the next (`fused::RowsBehind`),
+/// so its first reduction alone runs without writes beside it. Measured on an Intel
+/// Xeon (AVX-512, 2 threads, NCHW, time ÷ copy, p25–p75): 4, 8, 16 and 32 channels a
+/// task gave backward training f32 64x64x112x112 1.12–1.16, 1.07–1.10, 1.03–1.07,
+/// 1.02–1.05 and bf16 1.27–1.30, 1.22–1.27, 1.19–1.25, 1.17–1.22; forward training
+/// bf16 64x64x112x112 1.31–1.38, 1.27–1.33, 1.28–1.35, 1.23–1.28.
+pub const PIPELINE_CHANNELS: usize = 32;
 /// Outputs of at least this many bytes, whose pass also reads an input as large — so
 /// that input and output together exceed the last-level cache ([`llc_bytes`]) — are
 /// written with non-temporal stores: ordinary stores would read each output line first
@@ -273,8 +267,10 @@ impl Geometry {
 
     /// Whether a channel-major training pass over `inputs` tensors of elements of `size`
     /// bytes runs channel by channel, each channel reduced and then transformed while it
-    /// is resident in the caches ([`resident_bytes`]).
-    pub(crate) fn resident(&self, size: usize, inputs: usize) -> bool {
+    /// is resident in the caches: while its `inputs` take at most `limit` bytes a
+    /// channel ([`RESIDENT_BYTES`], or [`resident_bytes`] for a pass that reads a
+    /// channel twice in a row).
+    pub(crate) fn resident(&self, size: usize, inputs: usize, limit: usize) -> bool {
         // Rows of a few cache lines: never resident (see RESIDENT_MIN_ROW_BYTES).
         if self.inner * size < RESIDENT_MIN_ROW_BYTES {
             return false;
@@ -290,14 +286,7 @@ impl Geometry {
         if self.inner * size < RESIDENT_SHORT_ROW_BYTES && in_cache {
             return false;
         }
-        !self.channels_last() && inputs * self.per_channel() * size <= resident_bytes()
-    }
-
-    /// Whether a resident pass that prefetches `inputs` tensors of elements of `size`
-    /// bytes fetches the next channel while it writes the current one
-    /// ([`PREFETCH_CHANNEL_BYTES`]).
-    pub(crate) fn prefetch_next_channel(&self, size: usize, inputs: usize) -> bool {
-        inputs * self.per_channel() * size <= PREFETCH_CHANNEL_BYTES
+        !self.channels_last() && inputs * self.per_channel() * size <= limit
     }
 
     /// Whether an output of this geometry with elements of `size` bytes is streamed:
@@ -408,12 +397,16 @@ impl ChannelMajorSplit {
         }
     }
 
-    /// Whole channels only, about [`TASK`] elements a task (at least one channel): the
-    /// split of the passes that keep a channel resident in L2 from its reduction to its
-    /// output.
+    /// Whole channels only, about [`TASK`] elements a task and at least
+    /// [`PIPELINE_CHANNELS`] channels (fewer where the threads would have fewer tasks
+    /// than one each): the split of the passes that keep a channel resident from its
+    /// reduction to its output.
     pub fn whole_channels(g: &Geometry) -> Self {
+        let threads = rayon::current_num_threads().max(1);
         ChannelMajorSplit {
-            channels_per_task: (TASK / g.per_channel().max(1)).max(1),
+            channels_per_task: (TASK / g.per_channel().max(1))
+                .max(PIPELINE_CHANNELS.min(g.channels.div_ceil(threads)))
+                .max(1),
             rows_per_task: g.outer.max(1),
             chunks: 1,
         }
@@ -618,6 +611,25 @@ impl Tile {
     pub fn pieces<T>(self, data: &[T]) -> impl Iterator<Item = &[T]> + Clone {
         (0..self.count).map(move |i| &data[self.start + i * self.stride..][..self.step])
     }
+}
+
+/// Work interleaved with a channel-major reduction, tile by tile: the resident
+/// training passes write channel `c`'s output while they reduce channel `c + 1`, so
+/// that the DRAM reads of the one and the writes of the other overlap (as in a copy)
+/// instead of following each other. The reduction's arithmetic does not depend on it.
+/// (A trait, not a closure: a closure would be compiled without the kernel's target
+/// features.)
+pub(crate) trait Pace<S> {
+    /// Called after each `tile` of the reduction, in order.
+    fn tile_done(&mut self, s: S, tile: Tile);
+}
+
+/// No work between tiles: a plain reduction.
+pub(crate) struct NoPace;
+
+impl<S> Pace<S> for NoPace {
+    #[inline(always)]
+    fn tile_done(&mut self, _s: S, _tile: Tile) {}
 }
 
 /// The tiles of channel `c`, outer rows `[o0, o1)`, of a channel-major tensor, in

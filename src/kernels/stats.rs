@@ -13,8 +13,8 @@
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit, Tile, PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, NoPace,
+    Pace, PixelSplit, Tile, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -143,6 +143,20 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     o0: usize,
     o1: usize,
 ) -> Moments {
+    channel_rows_paced(s, g, x, c, o0, o1, &mut NoPace)
+}
+
+/// [`channel_rows_in`] with `pace` called after each tile (see [`Pace`]).
+#[inline(always)]
+pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    x: &[T],
+    c: usize,
+    o0: usize,
+    o1: usize,
+    pace: &mut P,
+) -> Moments {
     let mut m = Moments::EMPTY;
     for tile in channel_tiles(g, c, o0, o1) {
         // The shift: the mean of the tiles before, or for the first tile the mean of
@@ -159,6 +173,7 @@ pub(crate) fn channel_rows_in<U: Real, S: Simd<U>, T: Element<Stat = U>>(
             first_pivot(s, tile, x)
         };
         m = m.merge(tile_moments_around(s, tile, x, k));
+        pace.tile_done(s, tile);
     }
     m
 }
