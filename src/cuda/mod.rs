@@ -421,8 +421,12 @@ impl Gpu {
     /// Runs `f` (which queues work on the stream) between two CUDA events and returns
     /// the device time between them in microseconds.
     pub fn time_us(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
-        let e0 = self.ctx.new_event(None).map_err(device_err)?;
-        let e1 = self.ctx.new_event(None).map_err(device_err)?;
+        // Timing events: cudarc's default flags (`None`) disable timing, and
+        // `elapsed_ms` on such events fails with CUDA_ERROR_INVALID_HANDLE (seen on the
+        // first run on an H100).
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let e0 = self.ctx.new_event(timing).map_err(device_err)?;
+        let e1 = self.ctx.new_event(timing).map_err(device_err)?;
         e0.record(&self.stream).map_err(device_err)?;
         f()?;
         e1.record(&self.stream).map_err(device_err)?;
