@@ -769,9 +769,11 @@ impl<S, T> PaceSide<S, T> for NoPace {
 }
 
 /// [`RowsBehind`] for the side gradient: `dx` of channel `c` from its cached `sg` and
-/// x while the sums (and `sg`) of channel `c + 1` are computed. Pipelined, the Ex
-/// backward of NCHW 64x256x56x56 went from 1.55 to 1.19 of a copy in bf16 and 1.47 to
-/// 1.16 in f16 with AVX-512 (1.45 to 1.21 in f16 with AVX2).
+/// x while the sums (and `sg`) of channel `c + 1` are computed. Measured against the
+/// reduce-then-write pass it replaced (`scripts/ab.sh 3`, Intel Xeon, NCHW
+/// 64x256x56x56, time ÷ copy): bf16 1.57 -> 1.38 with AVX-512 but 1.32 -> 1.57 with
+/// AVX2, f16 1.45 -> 1.44 and 1.48 -> 1.27, other cells within 2 %: kept for one design
+/// of the three resident passes, not for speed.
 struct SideBehind<'r, 'a, T: Element, S: Simd<T::Stat>> {
     g: &'r Geometry,
     data: GradData<'a, T>,
