@@ -60,6 +60,17 @@ pub const RESIDENT_BYTES: usize = 8 << 20;
 /// 1.02–1.05 and bf16 1.27–1.30, 1.22–1.27, 1.19–1.25, 1.17–1.22; forward training
 /// bf16 64x64x112x112 1.31–1.38, 1.27–1.33, 1.28–1.35, 1.23–1.28.
 pub const PIPELINE_CHANNELS: usize = 32;
+
+/// A resident pass writes a channel while it reduces the next only when a channel of x
+/// takes at least this many bytes; smaller channels are reduced, then written while
+/// the next one is prefetched whole, which they survive in L2. Measured on the Intel
+/// Xeon (`scripts/ab.sh 3`, NCHW, time ÷ copy, reduce-then-write against pipelined):
+/// 16x512x28x28 f32 (50 KB a channel) forward training 0.84 against 1.20, 16x1024x14x14
+/// f32 (12.5 KB) 1.17 against 1.28, bf16 16x512x28x28 backward 1.25 against 1.33; but
+/// 16x64x56x56 bf16 (100 KB) forward 1.77 against 1.49, f32 (200 KB) backward 1.30
+/// against 1.14, and every channel of the DRAM-sized targets (800 KB and more) faster
+/// pipelined (CHANGELOG.md).
+pub const PIPELINE_MIN_CHANNEL_BYTES: usize = 64 << 10;
 /// Outputs of at least this many bytes, whose pass also reads an input as large — so
 /// that input and output together exceed the last-level cache ([`llc_bytes`]) — are
 /// written with non-temporal stores: ordinary stores would read each output line first
@@ -289,6 +300,13 @@ impl Geometry {
         !self.channels_last() && inputs * self.per_channel() * size <= limit
     }
 
+    /// Whether a resident pass writes each channel while it reduces the next
+    /// ([`PIPELINE_MIN_CHANNEL_BYTES`]); otherwise it reduces a channel, then writes it
+    /// while it prefetches the next. The bits are the same either way.
+    pub(crate) fn pipelined(&self, size: usize) -> bool {
+        self.per_channel() * size >= PIPELINE_MIN_CHANNEL_BYTES
+    }
+
     /// Whether an output of this geometry with elements of `size` bytes is streamed:
     /// the output and an input of the same size do not fit the last-level cache
     /// together (see [`STREAM_BYTES`]).
@@ -397,16 +415,19 @@ impl ChannelMajorSplit {
         }
     }
 
-    /// Whole channels only, about [`TASK`] elements a task and at least
-    /// [`PIPELINE_CHANNELS`] channels (fewer where the threads would have fewer tasks
-    /// than one each): the split of the passes that keep a channel resident from its
-    /// reduction to its output.
-    pub fn whole_channels(g: &Geometry) -> Self {
+    /// Whole channels only, about [`TASK`] elements a task and, for a `pipelined` pass
+    /// ([`Geometry::pipelined`]), at least [`PIPELINE_CHANNELS`] channels (fewer where
+    /// the threads would have fewer tasks than one each): the split of the passes that
+    /// keep a channel resident from its reduction to its output.
+    pub fn whole_channels(g: &Geometry, pipelined: bool) -> Self {
         let threads = rayon::current_num_threads().max(1);
+        let least = if pipelined {
+            PIPELINE_CHANNELS.min(g.channels.div_ceil(threads))
+        } else {
+            1
+        };
         ChannelMajorSplit {
-            channels_per_task: (TASK / g.per_channel().max(1))
-                .max(PIPELINE_CHANNELS.min(g.channels.div_ceil(threads)))
-                .max(1),
+            channels_per_task: (TASK / g.per_channel().max(1)).max(least).max(1),
             rows_per_task: g.outer.max(1),
             chunks: 1,
         }
