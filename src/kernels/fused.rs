@@ -214,20 +214,7 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
 {
     #[inline(always)]
     fn tile_done(&mut self, s: S, tile: Tile) {
-        let g = self.g;
-        let at = tile.start - self.reduced * g.inner;
-        let (o, off) = (at / (g.channels * g.inner), at % (g.channels * g.inner));
-        // A tile that ends a row finishes its `count` rows; a piece of a longer row
-        // finishes none before the row's last piece.
-        self.upto(
-            s,
-            if off + tile.step >= g.inner {
-                o + tile.count
-            } else {
-                o
-            },
-            tile.count,
-        );
+        self.upto(s, tile.rows_done(self.g, self.reduced), tile.count);
     }
 }
 
@@ -866,15 +853,7 @@ impl<T: Element, S: Simd<T::Stat>> SideBehind<'_, '_, T, S> {
 impl<T: Element, S: Simd<T::Stat>> PaceSide<S, T> for SideBehind<'_, '_, T, S> {
     #[inline(always)]
     fn tile_done(&mut self, s: S, tile: Tile, sg: &mut TaskRows<'_, T>) {
-        let g = self.g;
-        let at = tile.start - self.reduced * g.inner;
-        let (o, off) = (at / (g.channels * g.inner), at % (g.channels * g.inner));
-        let end = if off + tile.step >= g.inner {
-            o + tile.count
-        } else {
-            o
-        };
-        self.upto(s, sg, end, tile.count);
+        self.upto(s, sg, tile.rows_done(self.g, self.reduced), tile.count);
     }
 }
 

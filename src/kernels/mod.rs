@@ -628,6 +628,19 @@ impl Tile {
         self.step * self.count
     }
 
+    /// How many outer rows of channel `c` of a channel-major tensor `g` are complete
+    /// once this tile of that channel is reduced: a tile that ends a row finishes its
+    /// `count` rows; a piece of a longer row finishes none before the row's last piece.
+    pub fn rows_done(self, g: &Geometry, c: usize) -> usize {
+        let (at, stride) = (self.start - c * g.inner, g.channels * g.inner);
+        let (o, off) = (at / stride, at % stride);
+        if off + self.step >= g.inner {
+            o + self.count
+        } else {
+            o
+        }
+    }
+
     /// The tile's pieces of `data` (a tensor of the tiled geometry), in order.
     pub fn pieces<T>(self, data: &[T]) -> impl Iterator<Item = &[T]> + Clone {
         (0..self.count).map(move |i| &data[self.start + i * self.stride..][..self.step])
