@@ -438,21 +438,136 @@ fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const ST
     a: &mut [S::V],
     b: &mut [S::V],
 ) {
-    let (a, b) = (&mut a[..w.vectors()], &mut b[..w.vectors()]);
     let total = w.vectors();
-    for i in 0..total / 2 {
+    period_out::<U, S, T, N, STREAM>(s, w, 0, total, consts, a, b);
+}
+
+/// Vectors `j0..j0 + m` of `w` against groups `0..m` of `consts` and of the sums `a`,
+/// `b` (one pixel, or one period of a rotated run): sums and `dx = dy·k1`.
+#[inline(always)]
+fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j0: usize,
+    m: usize,
+    consts: &Reads<'_, U, 2>,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let (a, b) = (&mut a[..m], &mut b[..m]);
+    for i in 0..m / 2 {
         let g = 2 * i;
         let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
-        let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
-        let e = fold(s, &w.load(s, g + 1), mw, &mut a[g + 1], &mut b[g + 1]);
-        w.store2::<S, STREAM>(s, g, s.mul(d, kv), s.mul(e, kw));
+        let d = fold(s, &w.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
+        let e = fold(s, &w.load(s, j0 + g + 1), mw, &mut a[g + 1], &mut b[g + 1]);
+        w.store2::<S, STREAM>(s, j0 + g, s.mul(d, kv), s.mul(e, kw));
     }
-    if total % 2 == 1 {
-        let g = total - 1;
+    if m % 2 == 1 {
+        let g = m - 1;
         let [mv, kv] = consts.load(s, g);
-        let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
-        w.store::<S, STREAM>(s, g, s.mul(d, kv));
+        let d = fold(s, &w.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
+        w.store::<S, STREAM>(s, j0 + g, s.mul(d, kv));
     }
+}
+
+/// The most lanes of any [`Simd`] (AVX-512 `f32`): the size of the stack buffers of
+/// [`tile_out_rotated`].
+const MAX_LANES: usize = 16;
+
+/// [`fold`] in the lanes where `on` is positive only: elsewhere `a` and `b` keep their
+/// bits (whatever the other lanes hold, infinities and NaN included). Returns the
+/// (masked) dy of every lane.
+#[inline(always)]
+fn fold_where<U: Real, S: Simd<U>, const N: usize>(
+    s: S,
+    v: &[S::V; N],
+    m: S::V,
+    [on, off]: [S::V; 2],
+    a: &mut S::V,
+    b: &mut S::V,
+) -> S::V {
+    let d = grad_of(s, v);
+    let (na, nb) = (s.add(*a, d), s.mul_add(d, s.sub(v[1], m), *b));
+    // One of each pair is +0, and a sum of +0 keeps the other's bits (the sums start at
+    // +0 and so never hold −0).
+    *a = s.add(s.mask_positive(on, na), s.mask_positive(off, *a));
+    *b = s.add(s.mask_positive(on, nb), s.mask_positive(off, *b));
+    d
+}
+
+/// The lanes `[from, to)` on, the others off: `[on, off]` for [`fold_where`].
+#[inline(always)]
+fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
+    let mut on = [U::ZERO; MAX_LANES];
+    let mut off = [U::from_f64(1.0); MAX_LANES];
+    for i in from..to {
+        on[i] = U::from_f64(1.0);
+        off[i] = U::ZERO;
+    }
+    [s.load(&on[..S::LANES]), s.load(&off[..S::LANES])]
+}
+
+/// One tile of whole pixels of `c` channels (a multiple of the lanes) whose output
+/// starts `h` elements (`0 < h < LANES`) before a vector boundary, with `dx` streamed:
+/// its first `h` elements, then whole aligned vectors, each `c / LANES` of them a
+/// period whose group `g` holds channels `(h + g·LANES + i) mod c` (`consts` rotated
+/// so), then the last `LANES − h`. The last group straddles two pixels: the tile's
+/// first `h` channels go in its upper lanes, the last pixel's last `LANES − h` in its
+/// lower lanes. Each channel is still summed in one lane, pixel after pixel, so the
+/// sums have the bits of the pixel-by-pixel walk; only the lanes are rotated.
+/// Without it a vector-misaligned `dx` (a `Vec` of `f32` from the system allocator is
+/// aligned to 16 bytes) was written with ordinary stores.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn tile_out_rotated<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    out: &mut [T],
+    h: usize,
+    consts: &Reads<'_, U, 2>,
+    ahead: Option<usize>,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let l = S::LANES;
+    let per = consts.vectors();
+    let last = per - 1;
+    debug_assert!(0 < h && h < l && l <= MAX_LANES && out.len().is_multiple_of(per * l));
+    let [mv, kv] = consts.load(s, last);
+    // The tile's first h elements: the upper lanes of the last group.
+    {
+        let mut buf = [[T::default(); MAX_LANES]; N];
+        for (b, x) in buf.iter_mut().zip(&ins) {
+            b[l - h..l].copy_from_slice(&x[..h]);
+        }
+        let v: [S::V; N] = std::array::from_fn(|i| s.load(&buf[i][..l]));
+        let d = fold_where(s, &v, mv, lanes_on(s, l - h, l), &mut a[last], &mut b[last]);
+        let mut o = [T::default(); MAX_LANES];
+        s.store(&mut o[..l], s.mul(d, kv));
+        out[..h].copy_from_slice(&o[l - h..l]);
+    }
+    let body = out.len() - l;
+    let (ins_b, out_b) = (sub_n(&ins, h, Some(body)), &mut out[h..h + body]);
+    {
+        let mut w = Walk::new(l, ins_b, out_b);
+        debug_assert!(w.aligned());
+        let total = w.vectors();
+        let mut j0 = 0;
+        while j0 < total {
+            if let Some(ahead) = ahead {
+                // From DRAM: every input prefetched ahead, one hint per line.
+                w.reads.prefetch_ahead(s, j0, ahead, per * l);
+            }
+            let m = per.min(total - j0);
+            period_out::<U, S, T, N, true>(s, &mut w, j0, m, consts, a, b);
+            j0 += m;
+        }
+    }
+    // The last pixel's last l − h elements: the lower lanes of the last group.
+    let (at, n) = (h + body, l - h);
+    let v = load_partial_n(s, &ins, at, n);
+    let d = fold_where(s, &v, mv, lanes_on(s, 0, n), &mut a[last], &mut b[last]);
+    s.store_partial(&mut out[at..at + n], s.mul(d, kv));
 }
 
 /// The sums over the four pixels of `ins` from `p0` (`c` channels each): one update of
@@ -541,14 +656,33 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let (mut a, mut b) = (vec![zero; groups], vec![zero; groups]);
     let mut lanes = vec![U::ZERO; 2 * groups * l];
     let tile = pixels_per_tile(c) * c;
+    // A streamed dx whose pixels all start `h` elements before a vector boundary
+    // (`tile_out_rotated`): the constants rotated by `h` channels.
+    let size = std::mem::size_of::<T>();
+    let rotate = match &dx {
+        Some((out, _)) if stream && c.is_multiple_of(l) && l <= MAX_LANES => {
+            let h = out.as_ptr().align_offset(l * size);
+            (0 < h && h < l).then_some(h)
+        }
+        _ => None,
+    };
+    let rotated = |v: &[U]| -> Vec<U> {
+        let h = rotate.unwrap_or(0);
+        (0..c).map(|j| v[(h + j) % c]).collect()
+    };
+    let (mean_r, k1_r) = match (rotate, &dx) {
+        (Some(_), Some((_, k1))) => (rotated(mean), rotated(k1)),
+        _ => (Vec::new(), Vec::new()),
+    };
+    let consts_r = Reads::new(l, [&mean_r[..], &k1_r[..]], mean_r.len());
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,
     // time ÷ copy): f32 64x56x56x256 1.17 -> 1.09 with AVX-512 and 1.10 -> 1.01 with
-    // AVX2, bf16 1.07 -> 0.82 and f16 0.91 -> 0.77 with AVX2 (64x112x112x64 alike);
-    // but 16-bit with AVX-512 went 1.10 -> 1.27 (bf16) and 1.09 -> 1.16 (f16) at C =
-    // 256 (even at C = 64), so not there.
-    let size = std::mem::size_of::<T>();
-    let ahead_dx = stream && !(size == 2 && l == 16);
+    // AVX2, bf16 1.07 -> 0.82 and f16 0.91 -> 0.77 with AVX2 (64x112x112x64 alike).
+    // With AVX-512 the 16-bit types once went 1.10 -> 1.27 with it, but their dx was
+    // then not streamed at all (32-byte vectors in a buffer aligned to 16); streamed
+    // (`tile_out_rotated`), bf16 64x56x56x256 0.92 -> 0.83, f16 0.91 -> 0.81.
+    let ahead_dx = stream;
     let ahead = STREAM_AHEAD_BYTES / size;
     let len = ins[0].len();
     let mut t0 = 0;
@@ -557,6 +691,12 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         a.fill(zero);
         b.fill(zero);
         let mut q0 = t0;
+        if let (Some(h), Some((out, _))) = (rotate, dx.as_mut()) {
+            let ins_t = sub_n(&ins, t0, Some(t1 - t0));
+            let pf = ahead_dx.then_some(ahead);
+            tile_out_rotated(s, ins_t, &mut out[t0..t1], h, &consts_r, pf, &mut a, &mut b);
+            q0 = t1;
+        }
         if dx.is_none() && quads != Quads::No {
             while q0 + 4 * c <= t1 {
                 if quads == Quads::Prefetched {
@@ -616,9 +756,12 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
             s.store(&mut la[gi * l..], a[gi]);
             s.store(&mut lb[gi * l..], b[gi]);
         }
-        for ch in 0..c {
-            sums.sum_dy[ch] += la[ch].to_f64();
-            sums.sum_dy_xc[ch] += lb[ch].to_f64();
+        // Lane j holds channel (h + j) mod c (rotated tiles; h = 0 otherwise).
+        let h = rotate.unwrap_or(0);
+        for j in 0..c {
+            let ch = if j + h < c { j + h } else { j + h - c };
+            sums.sum_dy[ch] += la[j].to_f64();
+            sums.sum_dy_xc[ch] += lb[j].to_f64();
         }
         t0 = t1;
     }
@@ -667,5 +810,109 @@ pub fn apply<T: Element>(
     match mask {
         None => elementwise(g, isa, [dy, x], k, dx, BackwardFn),
         Some(y) => elementwise(g, isa, [dy, x, y], k, dx, BackwardMaskFn),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// The inference gradient over `c`-channel pixels of `dy`, `x` (and the mask `y`),
+    /// its `dx` written `off` elements past a 64-byte boundary, with or without
+    /// non-temporal stores: `dx` and the sums as `f64`s.
+    fn run<T: Element>(
+        isa: Isa,
+        ins: &[Vec<T>],
+        mean: &[T::Stat],
+        k1: &[T::Stat],
+        off: usize,
+        stream: bool,
+    ) -> (Vec<f64>, BackwardSums) {
+        let (c, n) = (mean.len(), ins[0].len());
+        let mut buf = vec![T::default(); n + 64];
+        let base = buf.as_ptr().align_offset(64).min(64);
+        let start = base + off;
+        let out = &mut buf[start..start + n];
+        let mut sums = BackwardSums::zeros(c);
+        T::Stat::dispatch(
+            isa,
+            PixelSums {
+                dy: &ins[0],
+                mask: ins.get(2).map(|y| &y[..]),
+                x: &ins[1],
+                mean,
+                dx: Some((out, k1)),
+                stream,
+                quads: Quads::No,
+                sums: &mut sums,
+            },
+        );
+        let dx = buf[start..start + n]
+            .iter()
+            .map(|v| v.widen().to_f64())
+            .collect();
+        (dx, sums)
+    }
+
+    fn same(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()))
+    }
+
+    /// A streamed `dx` that is not aligned to whole vectors takes the rotated walk
+    /// (`tile_out_rotated`): every offset from the vector boundary, several tiles and a
+    /// short last one, with and without the ReLU mask, an infinite mean and a NaN in x
+    /// gives the bits of the ordinary-store walk, `dx` and sums alike.
+    fn rotated_matches_plain<T: Element>() {
+        for isa in Isa::supported() {
+            for c in [16usize, 32, 48, 64] {
+                let pixels = 2 * pixels_per_tile(c) + 37;
+                let n = pixels * c;
+                let val = |i: usize, k: u64| {
+                    let h = (i as u64 ^ k).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+                    T::narrow(T::Stat::from_f64(h as f64 / (1u64 << 23) as f64 - 1.0))
+                };
+                // dy positive: with the infinite means of channels 0 and c − 1 (each
+                // in the last group's straddling lanes, whatever the offset) the sums
+                // are −inf, and a lane summed where it should not be turns them NaN.
+                let (dy, mut x, y): (Vec<T>, Vec<T>, Vec<T>) = (
+                    (0..n)
+                        .map(|i| T::narrow(T::Stat::from_f64(1.5)).widen() + val(i, 1).widen())
+                        .map(T::narrow)
+                        .collect(),
+                    (0..n).map(|i| val(i, 2)).collect(),
+                    (0..n).map(|i| val(i, 3)).collect(),
+                );
+                x[5 * c + 3] = T::narrow(T::Stat::from_f64(f64::NAN));
+                let mut mean: Vec<T::Stat> =
+                    (0..c).map(|i| T::Stat::from_f64(i as f64 / 7.0)).collect();
+                mean[0] = T::Stat::from_f64(f64::INFINITY);
+                mean[c - 1] = T::Stat::from_f64(f64::INFINITY);
+                let k1: Vec<T::Stat> = (0..c).map(|i| T::Stat::from_f64(1.0 + i as f64)).collect();
+                for ins in [
+                    vec![dy.clone(), x.clone()],
+                    vec![dy.clone(), x.clone(), y.clone()],
+                ] {
+                    let (dx0, s0) = run(isa, &ins, &mean, &k1, 0, false);
+                    for off in 0..16 {
+                        let (dx, sums) = run(isa, &ins, &mean, &k1, off, true);
+                        let what = format!("{isa} c = {c}, offset {off}, {} inputs", ins.len());
+                        assert!(same(&dx, &dx0), "{what}: dx");
+                        assert!(same(&sums.sum_dy, &s0.sum_dy), "{what}: sum dy");
+                        assert!(same(&sums.sum_dy_xc, &s0.sum_dy_xc), "{what}: sum dy·xc");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rotated_streamed_dx_has_the_bits_of_the_plain_walk() {
+        rotated_matches_plain::<f32>();
+        rotated_matches_plain::<bf16>();
+        rotated_matches_plain::<f16>();
     }
 }
