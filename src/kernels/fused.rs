@@ -666,7 +666,13 @@ pub fn backward_training_side<T: Element>(
     // The L2 limit where the machine reports an L3 past LLC_CAP_BYTES (unlike the plain
     // passes, which keep 8 MiB): there, at 8 MiB, NCHW 64x256x56x56 Ex backward took
     // 1.31 of a copy in f32 and 1.37 in bf16 (AVX-512), 0.98 and 1.19 within the L2.
-    if g.resident(size, inputs + 1, resident_bytes()) {
+    // And only for tensors that are not streamed (`Geometry::stream`): from DRAM the
+    // two sweeps with streamed outputs were faster (`scripts/ab.sh 3`, Intel Xeon,
+    // NCHW, time ÷ copy, resident / two sweeps, AVX-512): 64x256x56x56 f16 1.49 / 1.14,
+    // bf16 1.27 / 1.17 (AVX2 1.31 / 1.31), 16x256x56x56 f32 1.13 / 0.89; while in cache
+    // the resident pass wins: 16x512x28x28 f32 0.92 / 1.28, 16x256x56x56 bf16 1.19 /
+    // 1.44, 16x64x112x112 bf16 1.28 / 1.45, 16x64x56x56 f32 1.23 / 1.50.
+    if g.resident(size, inputs + 1, resident_bytes()) && !g.stream(size) {
         let stream = g.stream_resident(size);
         let pipelined = g.pipelined(size);
         let split = ChannelMajorSplit::whole_channels(g, pipelined);

@@ -670,42 +670,117 @@ impl<S> Pace<S> for NoPace {
 /// order: a tile is a run of whole rows totalling about [`TILE`] elements, or an equal
 /// piece of one row when rows are longer than that. (An iterator rather than a
 /// callback: a closure would be compiled without the kernel's target features.)
-pub(crate) fn channel_tiles(
-    g: &Geometry,
-    c: usize,
-    o0: usize,
-    o1: usize,
-) -> impl Iterator<Item = Tile> {
+pub(crate) fn channel_tiles(g: &Geometry, c: usize, o0: usize, o1: usize) -> ChannelTiles {
     let (inner, stride) = (g.inner, g.channels * g.inner);
-    let base = c * inner;
     let (pieces, piece, per_tile) = if inner >= TILE {
         let pieces = inner.div_ceil(TILE);
         (pieces, inner.div_ceil(pieces), 1)
     } else {
         (1, inner, (TILE / inner.max(1)).max(1))
     };
-    let rows = (o0..o1).step_by(per_tile);
-    rows.flat_map(move |o| {
-        let count = per_tile.min(o1 - o);
-        (0..pieces).map(move |p| {
-            let s = p * piece;
-            Tile {
-                start: base + o * stride + s,
-                step: if pieces == 1 {
-                    inner
-                } else {
-                    piece.min(inner - s)
-                },
-                stride,
-                count,
-            }
-        })
-    })
+    ChannelTiles {
+        base: c * inner,
+        inner,
+        stride,
+        pieces,
+        piece,
+        per_tile,
+        o: o0,
+        o1,
+        p: 0,
+    }
+}
+
+/// The iterator of [`channel_tiles`]. Written out, with a `next` that is always
+/// inlined, rather than `flat_map` over rows and pieces: once the reductions took a
+/// pacing parameter (`Pace`), the compiler stopped inlining the `flat_map`'s `next`,
+/// and a call per tile cost NCHW 16x1024x14x14 f32 forward training (one 16-row tile a
+/// channel) 8 % of its time (perf: 4 % of samples in `FlattenCompat::next`).
+pub(crate) struct ChannelTiles {
+    base: usize,
+    inner: usize,
+    stride: usize,
+    pieces: usize,
+    piece: usize,
+    per_tile: usize,
+    /// The next tile's first outer row, and its piece of that row.
+    o: usize,
+    o1: usize,
+    p: usize,
+}
+
+impl Iterator for ChannelTiles {
+    type Item = Tile;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<Tile> {
+        if self.o >= self.o1 {
+            return None;
+        }
+        let s = self.p * self.piece;
+        let tile = Tile {
+            start: self.base + self.o * self.stride + s,
+            step: if self.pieces == 1 {
+                self.inner
+            } else {
+                self.piece.min(self.inner - s)
+            },
+            stride: self.stride,
+            count: self.per_tile.min(self.o1 - self.o),
+        };
+        self.p += 1;
+        if self.p == self.pieces {
+            self.p = 0;
+            self.o += self.per_tile;
+        }
+        Some(tile)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tiles of a channel's rows cover each of its elements once, in memory order:
+    /// runs of whole rows of at most `TILE` elements, or equal pieces of a longer row.
+    #[test]
+    fn channel_tiles_cover_each_element_once_in_order() {
+        for (outer, channels, inner) in [
+            (1, 1, 1),
+            (16, 3, 196),
+            (64, 2, 3136),
+            (7, 2, TILE),
+            (5, 3, TILE + 1),
+            (3, 2, 3 * TILE - 5),
+            (4, 1, 0),
+        ] {
+            let g = Geometry::new(outer, channels, inner);
+            for c in 0..channels {
+                for (o0, o1) in [(0, outer), (1.min(outer), outer), (0, outer / 2)] {
+                    let mut seen = Vec::new();
+                    for t in channel_tiles(&g, c, o0, o1) {
+                        assert!(
+                            t.count >= 1 && t.step <= inner && t.step * t.count <= TILE.max(inner)
+                        );
+                        for i in 0..t.count {
+                            let at = t.start + i * t.stride;
+                            seen.extend(at..at + t.step);
+                        }
+                    }
+                    let want: Vec<usize> = (o0..o1)
+                        .flat_map(|o| {
+                            let row = (o * channels + c) * inner;
+                            row..row + inner
+                        })
+                        .collect();
+                    assert_eq!(
+                        seen, want,
+                        "{outer}x{channels}x{inner} c {c} rows {o0}..{o1}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn cache_sizes_parse() {
