@@ -351,7 +351,9 @@ fn slice<'a>(inputs: &'a [(&'static str, Tensor)], name: &str) -> &'a [f32] {
 /// Outputs of 16 MB and more whose pass does not fit the last-level cache (counted as
 /// at most 96 MiB, `kernels::LLC_CAP_BYTES`) are written with non-temporal stores after
 /// an unaligned head, their inputs prefetched ahead; the arithmetic is the same for
-/// every element, so the result does not depend on where the buffers sit in memory.
+/// every element, and the sums of the inference gradient (which writes `dx` in the same
+/// read) take the elements in the same lanes wherever `dx` starts, so no result
+/// depends on where the buffers sit in memory.
 /// 52 MB a tensor: streamed on every machine.
 #[test]
 fn streamed_outputs_match_reference_and_ignore_alignment() {
@@ -434,6 +436,9 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
                     buf.split_off(offset_elems),
                     dx.split_off(offset_elems),
                     dxi.split_off(offset_elems),
+                    // The inference gradient's scale and offset gradients: its sums.
+                    ds,
+                    db,
                 )
             };
             let base = run(0);

@@ -312,6 +312,14 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
 
 /// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
 /// partial vector peeled so the full stores are aligned).
+///
+/// The sums always take the run's vectors from its first element, in one chain: where
+/// streaming peels a head, they are summed first and `dx` is written in a second loop
+/// over the same (now cached) rows, so that no lane holds other elements, and no sum
+/// other bits, because of where `dx` sits in memory. Folding the peeled head into the
+/// lanes first had made `offset_backprop` and `scale_backprop` of a streamed NCHW
+/// inference gradient (and so the Ex backward's `dx`) depend on the buffer's offset
+/// (`tests/properties.rs`, streamed outputs).
 #[inline(always)]
 fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     s: S,
@@ -324,11 +332,10 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
 ) -> (S::V, S::V) {
     let head = head_len(out, S::LANES, stream);
     if head > 0 {
-        let d;
-        (d, acc) = sums_partial(s, &ins, 0, head, m, acc);
-        s.store_partial(&mut out[..head], s.mul(d, k1));
+        acc = sums_chain(s, ins, m, acc);
+        dx_run(s, ins, out, head, k1);
+        return acc;
     }
-    let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
     let (at, n) = {
         let mut w = Walk::new(S::LANES, ins, &mut *out);
         acc = if stream && w.aligned() {
@@ -344,6 +351,61 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         s.store_partial(&mut out[at..at + n], s.mul(d, k1));
     }
     acc
+}
+
+/// The sums of [`sums_out_body`] (whole vectors in order into one chain, then the
+/// partial tail) without writing anything.
+#[inline(always)]
+fn sums_chain<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    m: S::V,
+    (mut a, mut b): (S::V, S::V),
+) -> (S::V, S::V) {
+    let r = Reads::new(S::LANES, ins, ins[0].len());
+    for j in 0..r.vectors() {
+        fold(s, &r.load(s, j), m, &mut a, &mut b);
+    }
+    let (at, n) = r.tail();
+    if n > 0 {
+        (_, (a, b)) = sums_partial(s, &ins, at, n, m, (a, b));
+    }
+    (a, b)
+}
+
+/// `dx = dy·k1` (dy masked by the third input, if any) over a run: its first `head`
+/// elements, then whole vectors streamed from an aligned `out[head..]`, then the tail.
+#[inline(always)]
+fn dx_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    out: &mut [T],
+    head: usize,
+    k1: S::V,
+) {
+    let v = load_partial_n(s, &ins, 0, head);
+    s.store_partial(&mut out[..head], s.mul(grad_of(s, &v), k1));
+    let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
+    let (at, n) = {
+        let mut w = Walk::new(S::LANES, ins, &mut *out);
+        let total = w.vectors();
+        if w.aligned() {
+            for j in 0..total {
+                let d = grad_of(s, &w.load(s, j));
+                w.store::<S, true>(s, j, s.mul(d, k1));
+            }
+        } else {
+            for j in 0..total {
+                let d = grad_of(s, &w.load(s, j));
+                w.store::<S, false>(s, j, s.mul(d, k1));
+            }
+        }
+        w.tail()
+    };
+    if n > 0 {
+        let v = load_partial_n(s, &ins, at, n);
+        s.store_partial(&mut out[at..at + n], s.mul(grad_of(s, &v), k1));
+    }
 }
 
 #[inline(always)]
