@@ -236,8 +236,8 @@ pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let (dy, x) = (data.dy, data.x);
     // One instantiation per combination, so the loops test no flag.
     match (data.mask, dx) {
-        (None, None) => sums_run(s, [dy, x], m, acc),
-        (Some(y), None) => sums_run(s, [dy, x, y], m, acc),
+        (None, None) => sums_run::<U, S, T, 2, true>(s, [dy, x], m, acc),
+        (Some(y), None) => sums_run::<U, S, T, 3, true>(s, [dy, x, y], m, acc),
         (None, Some((out, st))) => sums_out_run(s, [dy, x], m, out, st, k1, acc),
         (Some(y), Some((out, st))) => sums_out_run(s, [dy, x, y], m, out, st, k1, acc),
     }
@@ -284,9 +284,11 @@ fn sums_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     (d, (a, b))
 }
 
-/// The sums over one run of `ins` = dy, x (and the mask): whole vectors in two chains.
+/// The sums over one run of `ins` = dy, x (and the mask): whole vectors in two chains
+/// (`TWO`: the sums-only passes), or in one, in order (the bits of [`sums_out_body`],
+/// for [`sums_out_run`] when it writes `dx` in a loop of its own).
 #[inline(always)]
-fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const TWO: bool>(
     s: S,
     ins: [&[T]; N],
     m: S::V,
@@ -298,7 +300,11 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let pairs = r.vectors() / 2;
     for i in 0..pairs {
         fold(s, &r.load(s, 2 * i), m, &mut a, &mut b);
-        fold(s, &r.load(s, 2 * i + 1), m, &mut a1, &mut b1);
+        if TWO {
+            fold(s, &r.load(s, 2 * i + 1), m, &mut a1, &mut b1);
+        } else {
+            fold(s, &r.load(s, 2 * i + 1), m, &mut a, &mut b);
+        }
     }
     if r.vectors() % 2 == 1 {
         fold(s, &r.load(s, r.vectors() - 1), m, &mut a, &mut b);
@@ -307,7 +313,11 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     if n > 0 {
         (_, (a, b)) = sums_partial(s, &ins, at, n, m, (a, b));
     }
-    (s.add(a, a1), s.add(b, b1))
+    if TWO {
+        (s.add(a, a1), s.add(b, b1))
+    } else {
+        (a, b)
+    }
 }
 
 /// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
@@ -332,7 +342,7 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
 ) -> (S::V, S::V) {
     let head = head_len(out, S::LANES, stream);
     if head > 0 {
-        acc = sums_chain(s, ins, m, acc);
+        acc = sums_run::<U, S, T, N, false>(s, ins, m, acc);
         dx_run(s, ins, out, head, k1);
         return acc;
     }
@@ -351,26 +361,6 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         s.store_partial(&mut out[at..at + n], s.mul(d, k1));
     }
     acc
-}
-
-/// The sums of [`sums_out_body`] (whole vectors in order into one chain, then the
-/// partial tail) without writing anything.
-#[inline(always)]
-fn sums_chain<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
-    s: S,
-    ins: [&[T]; N],
-    m: S::V,
-    (mut a, mut b): (S::V, S::V),
-) -> (S::V, S::V) {
-    let r = Reads::new(S::LANES, ins, ins[0].len());
-    for j in 0..r.vectors() {
-        fold(s, &r.load(s, j), m, &mut a, &mut b);
-    }
-    let (at, n) = r.tail();
-    if n > 0 {
-        (_, (a, b)) = sums_partial(s, &ins, at, n, m, (a, b));
-    }
-    (a, b)
 }
 
 /// `dx = dy·k1` (dy masked by the third input, if any) over a run: its first `head`
