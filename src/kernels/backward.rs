@@ -339,7 +339,7 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         let v = load_partial_n(s, &ins, 0, head);
         let d = fold_where(s, &v, m, lanes_on(s, 0, head), &mut a, &mut b);
         s.store_partial(&mut out[..head], s.mul(d, k1));
-        acc = (rotate_lanes(s, a, head), rotate_lanes(s, b, head));
+        acc = (s.rotate_lanes(a, head), s.rotate_lanes(b, head));
     }
     // One body loop for both cases (with two, the aligned one ran 8 % slower: bf16
     // with AVX2, where no head is ever peeled).
@@ -367,7 +367,7 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         let d = fold_where(s, &v, m, lanes_on(s, 0, n), &mut a, &mut b);
         s.store_partial(&mut out_b[at..at + n], s.mul(d, k1));
     }
-    (a, b) = (rotate_lanes(s, a, l - head), rotate_lanes(s, b, l - head));
+    (a, b) = (s.rotate_lanes(a, l - head), s.rotate_lanes(b, l - head));
     // The aligned walk's last partial vector folds zeros into the lanes it does not
     // cover (no change but for a non-finite mean): the same here.
     let last = out.len() % l;
@@ -376,18 +376,6 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         fold_where(s, &zeros, m, lanes_on(s, last, l), &mut a, &mut b);
     }
     (a, b)
-}
-
-/// `v` with its lanes rotated down by `r < LANES`: lane `i` of the result is lane
-/// `(i + r) mod LANES` of `v`. Once a run (twice for each of its two sums), so through
-/// a stack buffer rather than an ISA's permutes.
-#[inline(always)]
-fn rotate_lanes<U: Real, S: Simd<U>>(s: S, v: S::V, r: usize) -> S::V {
-    let l = S::LANES;
-    let mut buf = [U::ZERO; 2 * MAX_LANES];
-    s.store(&mut buf[..l], v);
-    s.store(&mut buf[l..2 * l], v);
-    s.load(&buf[r % l..r % l + l])
 }
 
 #[inline(always)]
@@ -542,13 +530,8 @@ fn fold_where<U: Real, S: Simd<U>, const N: usize>(
 /// The lanes `[from, to)` on, the others off: `[on, off]` for [`fold_where`].
 #[inline(always)]
 fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
-    let mut on = [U::ZERO; MAX_LANES];
-    let mut off = [U::from_f64(1.0); MAX_LANES];
-    for i in from..to {
-        on[i] = U::from_f64(1.0);
-        off[i] = U::ZERO;
-    }
-    [s.load(&on[..S::LANES]), s.load(&off[..S::LANES])]
+    let on = s.lanes_between(from, to);
+    [on, s.sub(s.splat(U::from_f64(1.0)), on)]
 }
 
 /// One tile of whole pixels of `c` channels (a multiple of the lanes) whose output

@@ -171,6 +171,25 @@ impl Simd<f32> for Avx2 {
         unsafe { _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(m, _mm256_setzero_ps()), v) }
     }
     #[inline(always)]
+    fn rotate_lanes(self, v: __m256, r: usize) -> __m256 {
+        unsafe {
+            let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let at = _mm256_add_epi32(iota, _mm256_set1_epi32(r as i32));
+            _mm256_permutevar8x32_ps(v, _mm256_and_si256(at, _mm256_set1_epi32(7)))
+        }
+    }
+    #[inline(always)]
+    fn lanes_between(self, from: usize, to: usize) -> __m256 {
+        unsafe {
+            let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            // from ≤ i (i > from − 1) and i < to.
+            let lo = _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(from as i32 - 1));
+            let hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(to as i32), iota);
+            let on = _mm256_castsi256_ps(_mm256_and_si256(lo, hi));
+            _mm256_and_ps(on, _mm256_set1_ps(1.0))
+        }
+    }
+    #[inline(always)]
     fn sum_f64(self, v: __m256) -> f64 {
         // Pairwise in f64 lanes: (a0 + a4) + (a2 + a6) and (a1 + a5) + (a3 + a7), then
         // their sum — three dependent adds instead of eight (perf: the scalar chain was

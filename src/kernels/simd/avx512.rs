@@ -129,6 +129,18 @@ impl Simd<f32> for Avx512 {
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps()), v) }
     }
     #[inline(always)]
+    fn rotate_lanes(self, v: __m512, r: usize) -> __m512 {
+        unsafe {
+            let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let at = _mm512_add_epi32(iota, _mm512_set1_epi32(r as i32));
+            _mm512_permutexvar_ps(_mm512_and_si512(at, _mm512_set1_epi32(15)), v)
+        }
+    }
+    #[inline(always)]
+    fn lanes_between(self, from: usize, to: usize) -> __m512 {
+        unsafe { _mm512_maskz_mov_ps(mask(to) & !mask(from), _mm512_set1_ps(1.0)) }
+    }
+    #[inline(always)]
     fn sum_f64(self, v: __m512) -> f64 {
         // Pairwise in f64 lanes (lane i with i + 8, then i + 4, i + 2, i + 1): four
         // dependent adds instead of a scalar chain of sixteen, which perf showed among

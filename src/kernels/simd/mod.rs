@@ -199,6 +199,13 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     /// `v` where `m > 0`, else 0 (ReLU's gradient mask: 0 for NaN `m`).
     fn mask_positive(self, m: Self::V, v: Self::V) -> Self::V;
+    /// `v` with its lanes rotated down by `r < LANES`: lane `i` of the result is lane
+    /// `(i + r) mod LANES` of `v`. In registers: through a stack buffer, the reload
+    /// waited on the store buffer, non-temporal stores included (perf: a tenth of the
+    /// streamed NCHW inference gradient of bf16 with AVX-512, at one rotation a row).
+    fn rotate_lanes(self, v: Self::V, r: usize) -> Self::V;
+    /// 1 in the lanes `[from, to)`, 0 in the others (`from ≤ to ≤ LANES`).
+    fn lanes_between(self, from: usize, to: usize) -> Self::V;
     /// The lanes summed in `f64`, lane 0 first.
     fn sum_f64(self, v: Self::V) -> f64;
     /// Loads `LANES` elements from `p`.
@@ -882,6 +889,54 @@ mod tests {
     #[test]
     fn bf16_conversions_match_the_half_crate_on_every_isa() {
         check::<bf16>(bf16::to_bits);
+    }
+
+    /// Every rotation of the lanes 0, 1, 2, … and every `lanes_between` mask, as
+    /// `(lanes, rotations, masks)`.
+    struct Lanes;
+
+    impl Kernel<f32> for Lanes {
+        type Output = (usize, Vec<Vec<f32>>, Vec<Vec<f32>>);
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) -> Self::Output {
+            let l = S::LANES;
+            let iota: Vec<f32> = (0..l).map(|i| i as f32).collect();
+            let v = s.load(&iota[..]);
+            let lanes = |x| {
+                let mut out = vec![0f32; l];
+                s.store(&mut out[..], x);
+                out
+            };
+            let rotations = (0..l).map(|r| lanes(s.rotate_lanes(v, r))).collect();
+            let mut masks = Vec::new();
+            for from in 0..=l {
+                for to in from..=l {
+                    masks.push(lanes(s.lanes_between(from, to)));
+                }
+            }
+            (l, rotations, masks)
+        }
+    }
+
+    #[test]
+    fn lane_rotations_and_masks_on_every_isa() {
+        for isa in Isa::supported() {
+            let (l, rotations, masks) = isa.run(Lanes);
+            for (r, got) in rotations.iter().enumerate() {
+                let want: Vec<f32> = (0..l).map(|i| ((i + r) % l) as f32).collect();
+                assert_eq!(got, &want, "{isa}: rotation by {r}");
+            }
+            let mut k = 0;
+            for from in 0..=l {
+                for to in from..=l {
+                    let want: Vec<f32> = (0..l)
+                        .map(|i| if from <= i && i < to { 1.0 } else { 0.0 })
+                        .collect();
+                    assert_eq!(masks[k], want, "{isa}: lanes {from}..{to}");
+                    k += 1;
+                }
+            }
+        }
     }
 
     /// `sum_f64` of one vector loaded from `v`.

@@ -45,6 +45,20 @@ impl<U: Real> Simd<U> for Portable {
         std::array::from_fn(|i| if m[i] > U::ZERO { v[i] } else { U::ZERO })
     }
     #[inline(always)]
+    fn rotate_lanes(self, v: [U; L], r: usize) -> [U; L] {
+        std::array::from_fn(|i| v[(i + r) % L])
+    }
+    #[inline(always)]
+    fn lanes_between(self, from: usize, to: usize) -> [U; L] {
+        std::array::from_fn(|i| {
+            if from <= i && i < to {
+                U::from_f64(1.0)
+            } else {
+                U::ZERO
+            }
+        })
+    }
+    #[inline(always)]
     fn sum_f64(self, v: [U; L]) -> f64 {
         v.iter().map(|x| x.to_f64()).sum()
     }
