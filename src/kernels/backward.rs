@@ -502,10 +502,6 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
     }
 }
 
-/// The most lanes of any [`Simd`] (AVX-512 `f32`): the size of the stack buffers of
-/// [`tile_out_rotated`].
-const MAX_LANES: usize = 16;
-
 /// [`fold`] in the lanes where `on` is positive only: elsewhere `a` and `b` keep their
 /// bits (whatever the other lanes hold, infinities and NaN included). Returns the
 /// (masked) dy of every lane.
@@ -559,19 +555,17 @@ fn tile_out_rotated<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let l = S::LANES;
     let per = consts.vectors();
     let last = per - 1;
-    debug_assert!(0 < h && h < l && l <= MAX_LANES && out.len().is_multiple_of(per * l));
+    debug_assert!(0 < h && h < l && out.len().is_multiple_of(per * l));
     let [mv, kv] = consts.load(s, last);
-    // The tile's first h elements: the upper lanes of the last group.
+    // The tile's first h elements: the upper lanes of the last group (rotated there in
+    // registers: through a stack buffer, the reload waits behind the streamed stores).
     {
-        let mut buf = [[T::default(); MAX_LANES]; N];
-        for (b, x) in buf.iter_mut().zip(&ins) {
-            b[l - h..l].copy_from_slice(&x[..h]);
+        let mut v = load_partial_n(s, &ins, 0, h);
+        for x in v.iter_mut() {
+            *x = s.rotate_lanes(*x, h);
         }
-        let v: [S::V; N] = std::array::from_fn(|i| s.load(&buf[i][..l]));
         let d = fold_where(s, &v, mv, lanes_on(s, l - h, l), &mut a[last], &mut b[last]);
-        let mut o = [T::default(); MAX_LANES];
-        s.store(&mut o[..l], s.mul(d, kv));
-        out[..h].copy_from_slice(&o[l - h..l]);
+        s.store_partial(&mut out[..h], s.rotate_lanes(s.mul(d, kv), l - h));
     }
     let body = out.len() - l;
     let (ins_b, out_b) = (sub_n(&ins, h, Some(body)), &mut out[h..h + body]);
@@ -687,7 +681,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // (`tile_out_rotated`): the constants rotated by `h` channels.
     let size = std::mem::size_of::<T>();
     let rotate = match &dx {
-        Some((out, _)) if stream && c.is_multiple_of(l) && l <= MAX_LANES => {
+        Some((out, _)) if stream && c.is_multiple_of(l) => {
             let h = out.as_ptr().align_offset(l * size);
             (0 < h && h < l).then_some(h)
         }
