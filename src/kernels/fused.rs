@@ -5,8 +5,12 @@
 //!   core's caches ([`RESIDENT_BYTES`]): each task reduces one channel and
 //!   transforms it while it is hot — one DRAM read of x, one write of y. Otherwise two
 //!   passes (x is read twice).
+//!   Where a channel is several row chunks of the two-pass split, the threads share
+//!   each channel instead of taking whole ones ([`cooperative`]): a thread keeps half
+//!   as much of it in its L2.
 //! - [`backward_training`]: the reduction, then `dx`; resident per channel when dy and
-//!   x of a channel fit [`RESIDENT_BYTES`], two passes otherwise. After a ReLU, dy is
+//!   x of a channel fit [`RESIDENT_BYTES`] (shared by the threads as forward), two
+//!   passes otherwise. After a ReLU, dy is
 //!   masked by the forward `y > 0` on the fly in both passes.
 //! - [`backward_inference`]: `dx = dy·k1` needs no reduction first, so the sums and
 //!   `dx` come from a single read of dy and x. With `k1 = 1` the same pass writes the
@@ -32,6 +36,10 @@ use super::{
     NoPace, Pace, PixelSplit, TaskRows, Tile, RESIDENT_BYTES,
 };
 use crate::element::{Element, Real};
+
+mod cooperative;
+
+use cooperative::{run_parts, Claim, Exchange, Plan};
 
 /// Maps `f` over owned items (in parallel when `g` is large), results in order.
 fn map_items<I: Send, R: Send>(
@@ -132,23 +140,24 @@ fn resident_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     m
 }
 
-/// The offset of the row a resident pass prefetches: row `o` of channel `reduced`, or
-/// past that channel's last row, row `o − outer` of the channel after it (the one the
-/// task reduces next). `None` past the tensor. Without the wrap, a channel whose rows
+/// The offset of the row a resident pass over the outer rows `span` prefetches: row `o`
+/// of channel `reduced`, or past the span's last row, the row as far into the span of
+/// the channel after it (the one the task reduces next). `None` past the tensor. Without the wrap, a channel whose rows
 /// make a single reduction tile (14x14 images: 16 rows of 196 elements) prefetched
 /// nothing, and NCHW 16x1024x14x14 f32 training took 1.33 of a copy where the
 /// reduce-then-write pass, which prefetched the next channel whole, took 1.12–1.16.
 #[inline(always)]
-fn ahead_row(g: &Geometry, reduced: usize, o: usize) -> Option<usize> {
-    let (c, o) = if o < g.outer {
+fn ahead_row(g: &Geometry, span: &Range<usize>, reduced: usize, o: usize) -> Option<usize> {
+    let (c, o) = if o < span.end {
         (reduced, o)
     } else {
-        (reduced + 1, o - g.outer)
+        (reduced + 1, o - span.end + span.start)
     };
-    (c < g.channels && o < g.outer).then(|| (o * g.channels + c) * g.inner)
+    (c < g.channels && o < span.end).then(|| (o * g.channels + c) * g.inner)
 }
 
-/// The `i`-th outer row a pass behind a reduction writes: last first when `reversed`.
+/// The `i`-th outer row of `span` (`i` counted from `span.start`) a pass behind a
+/// reduction writes: last first when `reversed`.
 ///
 /// A pipelined pass writes channel `c` while it reduces `c + 1` front to back. In row
 /// order, every row of `c` is read again a whole channel of reads after its reduction
@@ -161,9 +170,9 @@ fn ahead_row(g: &Geometry, reduced: usize, o: usize) -> Option<usize> {
 /// 1.24 -> 1.18 and 1.35 -> 1.29, f16 1.18 -> 1.12 and 1.26 -> 1.20; 64x256x56x56
 /// within 4 %, mostly faster. The order of the writes changes no result.
 #[inline(always)]
-fn write_order(g: &Geometry, i: usize, reversed: bool) -> usize {
+fn write_order(span: &Range<usize>, i: usize, reversed: bool) -> usize {
     if reversed {
-        g.outer - 1 - i
+        span.end - 1 - (i - span.start)
     } else {
         i
     }
@@ -187,7 +196,9 @@ where
     c: usize,
     reduced: usize,
     k: [S::V; K],
-    /// The next row of `c` to write.
+    /// The outer rows of `c` this pass writes (and of `reduced` it reduces).
+    span: Range<usize>,
+    /// The next row of `c` to write (an outer row of `span`, counted in row order).
     next: usize,
     /// How many of `ins` (the first) the reduction reads.
     reads: usize,
@@ -209,13 +220,13 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
         while self.next < end {
             let o = self.next;
             // The rows of the reduced channel that its next tile reads.
-            let at = ahead_row(g, self.reduced, o + ahead);
+            let at = ahead_row(g, &self.span, self.reduced, o + ahead);
             let ahead_row = |i: usize| {
                 at.filter(|_| i < self.reads)
                     .map(|at| &self.ins[i][at..][..g.inner])
             };
             let pf = [ahead_row(0), ahead_row(1)];
-            let o = write_order(g, o, self.reduced != self.c);
+            let o = write_order(&self.span, o, self.reduced != self.c);
             run_splat(
                 s,
                 row_of(g, self.ins, self.c, o),
@@ -279,6 +290,7 @@ where
                 k: splat_n(s, (self.coeffs)(c, m)),
                 next: 0,
                 reads: 1,
+                span: 0..g.outer,
                 stream: self.stream,
                 f: &self.f,
             };
@@ -344,6 +356,7 @@ where
                 k: splat_n(s, [dm, self.mean[c], k1, k2]),
                 next: 0,
                 reads: 2,
+                span: 0..g.outer,
                 stream: self.stream,
                 f: &self.f,
             };
@@ -385,6 +398,198 @@ fn resident_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
         (sdy, sdx) = (sdy + a, sdx + b);
     }
     (sdy, sdx)
+}
+
+/// This part's chunks of channel `c` of x reduced and published to `ex`, with `pace`
+/// between tiles.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn share_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    x: &[T],
+    c: usize,
+    plan: &Plan,
+    part: usize,
+    ex: &Exchange,
+    pace: &mut P,
+) {
+    for (k, r) in plan.chunks_of(g, part) {
+        let m = stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace);
+        ex.put(c, k, [m.count, m.mean, m.m2]);
+    }
+    ex.done(c);
+}
+
+/// Channel `c`'s moments once every part has published it: its chunks merged in order,
+/// as [`resident_moments`] merges them.
+fn shared_moments(ex: &Exchange, c: usize) -> Moments {
+    ex.wait(c);
+    let chunk = |k| {
+        let [count, mean, m2] = ex.get(c, k);
+        Moments { count, mean, m2 }
+    };
+    (1..ex.chunks()).fold(chunk(0), |m, k| m.merge(chunk(k)))
+}
+
+/// This part's chunks of channel `c`'s backward sums, published to `ex`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn share_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    g: &Geometry,
+    data: GradData<'_, T>,
+    mean: &[U],
+    c: usize,
+    plan: &Plan,
+    part: usize,
+    ex: &Exchange,
+    pace: &mut P,
+) {
+    for (k, r) in plan.chunks_of(g, part) {
+        let (a, b) = backward::channel_rows_paced(s, g, data, mean[c], c, r, pace);
+        ex.put(c, k, [a, b, 0.0]);
+    }
+    ex.done(c);
+}
+
+/// Channel `c`'s backward sums once every part has published it, added in chunk order
+/// as [`resident_sums`] adds them.
+fn shared_sums(ex: &Exchange, c: usize) -> (f64, f64) {
+    ex.wait(c);
+    let [a, b, _] = ex.get(c, 0);
+    (1..ex.chunks()).fold((a, b), |(sa, sb), k| {
+        let [a, b, _] = ex.get(c, k);
+        (sa + a, sb + b)
+    })
+}
+
+/// One part of a forward training pass shared by the threads ([`cooperative`]): its
+/// outer rows of every channel, each channel written from them while the next one's
+/// share is reduced, after the parts have exchanged its reductions.
+struct SharedForward<'a, T: Element, C, F, const N: usize> {
+    g: &'a Geometry,
+    ins: [&'a [T]; N],
+    rows: TaskRows<'a, T>,
+    coeffs: &'a C,
+    stream: bool,
+    f: F,
+    plan: Plan,
+    part: usize,
+    ex: &'a Exchange,
+}
+
+impl<T: Element, C, F, const N: usize> Kernel<T::Stat> for SharedForward<'_, T, C, F, N>
+where
+    C: Fn(usize, Moments) -> [T::Stat; 3],
+    F: VectorFn<N, 3>,
+{
+    type Output = Vec<Moments>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Moments> {
+        let (g, mut rows, ex) = (self.g, self.rows, self.ex);
+        let (plan, part, x) = (&self.plan, self.part, self.ins[0]);
+        let span = rows.task.o0..rows.task.o1;
+        let mut out = Vec::with_capacity(g.channels);
+        if g.channels == 0 {
+            return out;
+        }
+        share_moments(s, g, x, 0, plan, part, ex, &mut NoPace);
+        let mut m = shared_moments(ex, 0);
+        for c in 0..g.channels {
+            let more = c + 1 < g.channels;
+            let mut behind = RowsBehind {
+                g,
+                ins: &self.ins,
+                rows: &mut rows,
+                c,
+                reduced: c + 1,
+                k: splat_n(s, (self.coeffs)(c, m)),
+                span: span.clone(),
+                next: span.start,
+                reads: 1,
+                stream: self.stream,
+                f: &self.f,
+            };
+            if more {
+                share_moments(s, g, x, c + 1, plan, part, ex, &mut behind);
+            }
+            behind.upto(s, span.end, 1);
+            out.push(m);
+            if more {
+                m = shared_moments(ex, c + 1);
+            }
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
+}
+
+/// One part of a backward training pass shared by the threads (see [`SharedForward`]).
+struct SharedBackward<'a, T: Element, C, F, const N: usize> {
+    g: &'a Geometry,
+    ins: [&'a [T]; N],
+    mean: &'a [T::Stat],
+    rows: TaskRows<'a, T>,
+    coeffs: &'a C,
+    stream: bool,
+    f: F,
+    plan: Plan,
+    part: usize,
+    ex: &'a Exchange,
+}
+
+impl<T: Element, C, F, const N: usize> Kernel<T::Stat> for SharedBackward<'_, T, C, F, N>
+where
+    C: Fn(usize, f64, f64) -> [T::Stat; 3],
+    F: VectorFn<N, 4>,
+{
+    type Output = Vec<(f64, f64)>;
+    #[inline(always)]
+    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let (g, mut rows, ex) = (self.g, self.rows, self.ex);
+        let (plan, part) = (&self.plan, self.part);
+        let (dy, x, mask) = (self.ins[0], self.ins[1], self.ins.get(2).copied());
+        let data = GradData { dy, mask, x };
+        let span = rows.task.o0..rows.task.o1;
+        let mut out = Vec::with_capacity(g.channels);
+        if g.channels == 0 {
+            return out;
+        }
+        share_sums(s, g, data, self.mean, 0, plan, part, ex, &mut NoPace);
+        let mut sums = shared_sums(ex, 0);
+        for c in 0..g.channels {
+            let more = c + 1 < g.channels;
+            let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
+            let mut behind = RowsBehind {
+                g,
+                ins: &self.ins,
+                rows: &mut rows,
+                c,
+                reduced: c + 1,
+                k: splat_n(s, [dm, self.mean[c], k1, k2]),
+                span: span.clone(),
+                next: span.start,
+                reads: 2,
+                stream: self.stream,
+                f: &self.f,
+            };
+            if more {
+                share_sums(s, g, data, self.mean, c + 1, plan, part, ex, &mut behind);
+            }
+            behind.upto(s, span.end, 1);
+            out.push(sums);
+            if more {
+                sums = shared_sums(ex, c + 1);
+            }
+        }
+        if self.stream {
+            s.fence();
+        }
+        out
+    }
 }
 
 /// Forward pass in training mode: per-channel moments of `x`, then
@@ -432,6 +637,28 @@ where
 {
     let stream = g.stream_resident(size_of::<T>());
     let pipelined = g.pipelined(size_of::<T>());
+    if let (true, Some(plan)) = (pipelined, Plan::new(g)) {
+        if let Some(_claim) = Claim::take() {
+            let ex = Exchange::new(g, &plan);
+            let parts = run_parts(&ex, plan.rows_mut(g, y), |part, rows| {
+                T::Stat::dispatch(
+                    isa,
+                    SharedForward {
+                        g,
+                        ins,
+                        rows,
+                        coeffs,
+                        stream,
+                        f,
+                        plan,
+                        part,
+                        ex: &ex,
+                    },
+                )
+            });
+            return parts.into_iter().next().unwrap_or_default();
+        }
+    }
     let split = ChannelMajorSplit::whole_channels(g, pipelined);
     map_items(g, split.rows_mut(g, y), |_, rows| {
         T::Stat::dispatch(
@@ -494,6 +721,29 @@ where
 {
     let stream = g.stream_resident(size_of::<T>());
     let pipelined = g.pipelined(size_of::<T>());
+    if let (true, Some(plan)) = (pipelined, Plan::new(g)) {
+        if let Some(_claim) = Claim::take() {
+            let ex = Exchange::new(g, &plan);
+            let parts = run_parts(&ex, plan.rows_mut(g, dx), |part, rows| {
+                T::Stat::dispatch(
+                    isa,
+                    SharedBackward {
+                        g,
+                        ins,
+                        mean,
+                        rows,
+                        coeffs,
+                        stream,
+                        f,
+                        plan,
+                        part,
+                        ex: &ex,
+                    },
+                )
+            });
+            return parts.into_iter().next().unwrap_or_default();
+        }
+    }
     let split = ChannelMajorSplit::whole_channels(g, pipelined);
     map_items(g, split.rows_mut(g, dx), |_, rows| {
         T::Stat::dispatch(
@@ -857,7 +1107,7 @@ impl<T: Element, S: Simd<T::Stat>> SideBehind<'_, '_, T, S> {
         let (g, c, x, dy) = (self.g, self.c, self.data.x, self.data.dy);
         while self.next < end {
             let o = self.next;
-            let at = ahead_row(g, self.reduced, o + ahead);
+            let at = ahead_row(g, &(0..g.outer), self.reduced, o + ahead);
             let pf = [
                 at.map(|a| &x[a..][..g.inner]),
                 at.map(|a| &dy[a..][..g.inner]),
@@ -906,5 +1156,213 @@ impl<U: Real> Columns<U> {
         let (a, rest) = self.0.split_at(c);
         let (b, d) = rest.split_at(c);
         [a, b, d]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn data<T: Element>(n: usize, seed: u64, mean: f64) -> Vec<T> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (s >> 11) as f64 / (1u64 << 53) as f64;
+                T::narrow(<T::Stat as Real>::from_f64(mean + 4.0 * u - 2.0))
+            })
+            .collect()
+    }
+
+    fn bits<T: Element>(v: &[T]) -> Vec<u64> {
+        v.iter().map(|&e| e.widen().to_f64().to_bits()).collect()
+    }
+
+    /// Forward and backward training (plain, with a side input, with a ReLU mask) of
+    /// one geometry on a pool of `threads`: the outputs' and the reductions' bits.
+    fn resident_bits<T: Element>(g: &Geometry, isa: Isa, threads: usize) -> Vec<Vec<u64>> {
+        let n = g.len();
+        let (x, side, dy) = (
+            data::<T>(n, 1, 3.0),
+            data::<T>(n, 2, 0.0),
+            data::<T>(n, 3, 0.1),
+        );
+        let mean: Vec<T::Stat> = (0..g.channels)
+            .map(|c| <T::Stat as Real>::from_f64(3.0 + 0.01 * c as f64))
+            .collect();
+        let fc = |c: usize, m: Moments| {
+            let r = |v: f64| <T::Stat as Real>::from_f64(v);
+            [
+                r(m.mean),
+                r(1.0 / (m.variance() + 1e-3).sqrt()),
+                r(0.25 * c as f64),
+            ]
+        };
+        let bc = |c: usize, a: f64, b: f64| {
+            let r = |v: f64| <T::Stat as Real>::from_f64(v);
+            [r(a / n as f64), r(0.5 + c as f64), r(b * 1e-9)]
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a thread pool");
+        pool.install(|| {
+            let mut out = Vec::new();
+            let mut y = vec![T::default(); n];
+            let m = resident_forward(g, isa, [&x[..]], &mut y, &fc, Affine);
+            out.push(bits(&y));
+            out.push(
+                m.iter()
+                    .flat_map(|m| [m.count, m.mean, m.m2])
+                    .map(f64::to_bits)
+                    .collect(),
+            );
+            let m = resident_forward(g, isa, [&x[..], &side], &mut y, &fc, AffineSide::<true>);
+            out.push(bits(&y));
+            out.push(m.iter().map(|m| m.m2.to_bits()).collect());
+            let mut dx = vec![T::default(); n];
+            let s = resident_backward(g, isa, [&dy[..], &x], &mean, &mut dx, &bc, BackwardFn);
+            out.push(bits(&dx));
+            out.push(
+                s.iter()
+                    .flat_map(|s| [s.0, s.1])
+                    .map(f64::to_bits)
+                    .collect(),
+            );
+            let s = resident_backward(
+                g,
+                isa,
+                [&dy[..], &x, &side],
+                &mean,
+                &mut dx,
+                &bc,
+                BackwardMaskFn,
+            );
+            out.push(bits(&dx));
+            out.push(
+                s.iter()
+                    .flat_map(|s| [s.0, s.1])
+                    .map(f64::to_bits)
+                    .collect(),
+            );
+            out
+        })
+    }
+
+    /// The passes shared by the threads (each reducing its chunks of every channel)
+    /// give the bits of the whole-channel passes (one thread: no sharing) for two and
+    /// three threads, with two chunks a channel, three (of which two threads take two
+    /// and one), and rows of an odd length (vector tails, rows not 64-byte aligned).
+    #[test]
+    fn shared_passes_have_the_bits_of_whole_channels() {
+        for (outer, channels, inner) in [(12, 3, 32768), (33, 2, 16384), (9, 2, 30001)] {
+            let g = Geometry::new(outer, channels, inner);
+            assert!(ChannelMajorSplit::new(&g).chunks >= 2);
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let one = resident_bits::<f32>(&g, isa, 1);
+                let half = resident_bits::<bf16>(&g, isa, 1);
+                for threads in [2, 3] {
+                    let before =
+                        cooperative::SHARED_RUNS.load(std::sync::atomic::Ordering::Relaxed);
+                    assert!(
+                        one == resident_bits::<f32>(&g, isa, threads),
+                        "f32 {g:?} {isa:?} {threads}"
+                    );
+                    assert!(
+                        half == resident_bits::<bf16>(&g, isa, threads),
+                        "bf16 {g:?} {isa:?} {threads}"
+                    );
+                    // (Other tests may take the claim meanwhile; most runs are shared.)
+                    let after = cooperative::SHARED_RUNS.load(std::sync::atomic::Ordering::Relaxed);
+                    assert!(after > before, "no pass was shared");
+                }
+            }
+        }
+    }
+
+    /// Shared passes started from several pool threads at once (each a task of a
+    /// parallel loop on the same pool) and from threads outside it: one at a time is
+    /// shared, the others take the whole-channel path; none waits forever, and all
+    /// give the same bits.
+    #[test]
+    fn concurrent_and_nested_passes_finish_with_the_same_bits() {
+        use rayon::prelude::*;
+        let g = Geometry::new(12, 3, 32768);
+        let isa = Isa::ALL
+            .into_iter()
+            .rev()
+            .find(|i| i.is_supported())
+            .unwrap_or(Isa::Scalar);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a thread pool");
+        let fc = |_: usize, m: Moments| [m.mean as f32, 1.0, 0.0];
+        let x = data::<f32>(g.len(), 1, 3.0);
+        let run = || {
+            let mut y = vec![0f32; g.len()];
+            let m = resident_forward(&g, isa, [&x[..]], &mut y, &fc, Affine);
+            (
+                bits(&y),
+                m.iter().map(|m| m.m2.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .expect("a thread pool");
+        let first = one.install(run);
+        let nested: Vec<_> = pool.install(|| (0..6).into_par_iter().map(|_| run()).collect());
+        let outside: Vec<_> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..3).map(|_| sc.spawn(|| pool.install(run))).collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("a thread"))
+                .collect()
+        });
+        let shared = pool.install(run);
+        for r in nested.iter().chain(&outside).chain([&shared]) {
+            assert!(*r == first);
+        }
+    }
+
+    /// The plan of a shared pass: every chunk in exactly one part, parts of equal
+    /// chunks but the last, and each part's output rows its chunks' rows.
+    #[test]
+    fn shared_plans_cover_every_chunk_once() {
+        for (outer, inner) in [
+            (64, 12544),
+            (33, 16384),
+            (9, 30001),
+            (3, 210000),
+            (2, 131073),
+        ] {
+            let g = Geometry::new(outer, 2, inner);
+            let split = ChannelMajorSplit::new(&g);
+            for threads in 2..6 {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a thread pool");
+                let plan = pool.install(|| Plan::new(&g)).expect("a plan");
+                assert!(plan.parts <= threads && plan.parts >= 2);
+                let mut out = vec![0u8; g.len()];
+                let rows = plan.rows_mut(&g, &mut out);
+                assert_eq!(rows.len(), plan.parts);
+                let mut next = 0;
+                for (part, r) in rows.iter().enumerate() {
+                    assert_eq!(r.task.o0, next);
+                    for (k, rr) in plan.chunks_of(&g, part) {
+                        assert_eq!(rr.start, next);
+                        assert_eq!(rr.start, k * split.rows_per_task);
+                        next = rr.end;
+                    }
+                    assert_eq!(r.task.o1, next);
+                }
+                assert_eq!(next, outer);
+            }
+        }
     }
 }

@@ -400,7 +400,13 @@ impl ChannelMajorSplit {
     pub fn new(g: &Geometry) -> Self {
         let per_channel = g.per_channel().max(1);
         if per_channel >= TASK {
-            let rows_per_task = (TASK / g.inner.max(1)).max(1);
+            // As few chunks as keep a task within TASK elements, of equal rows (the
+            // last may be shorter): 64x64x112x112 splits 16, 16, 16, 16, not 20, 20,
+            // 20, 4, so that the threads of a shared resident pass (`fused::cooperative`)
+            // can take equal shares of a channel's chunks (and the two-pass tasks are
+            // of equal size).
+            let most = (TASK / g.inner.max(1)).max(1);
+            let rows_per_task = g.outer.div_ceil(g.outer.div_ceil(most).max(1)).max(1);
             ChannelMajorSplit {
                 channels_per_task: 1,
                 rows_per_task,
