@@ -4,7 +4,7 @@
 //! writes channel `c` from its still-cached rows while it reduces `c + 1`, so a thread
 //! keeps about two channels in its core's L2. Where a channel is a good part of that L2
 //! (a 16-bit channel of 64x64x112x112 is 1.6 MB, an f32 one 3.2 MB, against 2 MiB), the
-//! rows written last were evicted before they were read again. Here each of `parts`
+//! rows written late were evicted before they were read again. Here each of `parts`
 //! threads takes the same outer rows of every channel (whole chunks of the two-pass
 //! split, [`super::RowChunks`]), so a thread keeps two *shares* of a channel, and the
 //! threads publish each chunk's reduction of a channel ([`Exchange`]) and fold all of
@@ -24,9 +24,13 @@
 //! even row chunks): forward training f32 1.028 → 0.982 (AVX-512) and 1.077 → 1.032
 //! (AVX2), bf16 1.151 → 1.049 and 1.429 → 1.358, f16 1.112 → 1.015 and 1.340 → 1.219;
 //! backward training f32 1.040 → 1.001 and 1.038 → 1.001, bf16 1.167 → 1.126 and
-//! 1.267 → 1.242, f16 1.155 → 1.100 and 1.204 → 1.199. Of the gain that halving the
-//! rows of a channel gives (32x64x112x112 with whole channels), the waits for the other
-//! thread's reductions (1.5–4 % of the threads' time, timed) keep part.
+//! 1.267 → 1.242, f16 1.155 → 1.100 and 1.204 → 1.199. Forward training comes close
+//! to what whole channels of half the rows cost (32x64x112x112: bf16 AVX-512 1.04),
+//! backward training does not (1.05 there). The waits for the other thread's
+//! reductions (timed: 1.5–4 % of the threads' time) are not the difference: reducing
+//! the next channel's tiles instead of waiting, and writing behind them once the
+//! coefficients are known, gained nothing (`scripts/ab.sh 3`: bf16 backward AVX-512
+//! 1.135 → 1.157).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
