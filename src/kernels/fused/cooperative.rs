@@ -11,13 +11,12 @@
 //! them in chunk order before writing it: the two-pass split's bits, whichever thread
 //! reduced which chunk.
 //!
-//! Every thread of the pool must run its share at the same time (`rayon::broadcast`):
-//! a thread waits for the others' reductions of each channel. So at most one
-//! cooperative pass runs in the process at a time ([`Claim`]); a second caller (another
-//! thread, or a pass nested in a pool thread's work while one runs) takes the
-//! whole-channel path, which waits for nobody. Rayon runs a pool thread's broadcast job
-//! whenever that thread looks for work, also while it waits inside a `join` or a nested
-//! call, so the shares all start once the pool's threads get back to rayon.
+//! Every thread of the pool runs one share, all at the same time: a thread waits for
+//! the others' reductions of each channel. The shares start only once every one has a
+//! thread of its own ([`run_parts`]); where the pool's threads do not all come within
+//! a few milliseconds (busy with other work, blocked outside rayon), nothing is shared
+//! and the caller takes the whole-channel path. At most one shared pass runs in the
+//! process at a time ([`Claim`]); a second caller takes the whole-channel path too.
 //!
 //! Measured on an Intel Xeon with AVX-512 (2 MiB L2 a core, 2 threads; `scripts/ab.sh
 //! 3`, NCHW 64x64x112x112, time ÷ copy, whole channels a thread → shared, with the same
@@ -35,6 +34,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use super::super::{ChannelMajorSplit, Geometry, TaskRows};
 
@@ -69,17 +69,21 @@ pub(in crate::kernels) struct Plan {
 }
 
 impl Plan {
-    /// The plan for `g` on the current pool, or `None` where a channel is one chunk
-    /// (nothing to share without changing the bits) or there is one thread.
+    /// The plan for `g` on the current pool: one part per thread. `None` for a small
+    /// tensor ([`Geometry::parallel`]), one thread, or channels of fewer chunks than
+    /// threads, or chunks that would leave a thread without a part (there the
+    /// whole-channel path keeps every thread busy: 32x64x112x112 has 2 chunks a channel,
+    /// and 2 parts would leave 14 of 16 threads idle).
     pub fn new(g: &Geometry) -> Option<Plan> {
         let threads = rayon::current_num_threads();
         let split = ChannelMajorSplit::new(g);
-        if threads < 2 || split.chunks < 2 || !g.parallel() {
+        if threads < 2 || split.chunks < threads || !g.parallel() {
             return None;
         }
-        let per_part = split.chunks.div_ceil(threads.min(split.chunks));
-        Some(Plan {
-            parts: split.chunks.div_ceil(per_part),
+        let per_part = split.chunks.div_ceil(threads);
+        let parts = split.chunks.div_ceil(per_part);
+        (parts == threads).then_some(Plan {
+            parts,
             per_part,
             chunk_rows: split.rows_per_task,
             chunks: split.chunks,
@@ -161,8 +165,9 @@ impl Exchange {
         std::array::from_fn(|i| f64::from_bits(self.values[at + i].load(Ordering::Relaxed)))
     }
 
-    /// Waits until every thread has published channel `c`. Spins (the others are a
-    /// channel's share of work away at most), then yields the core.
+    /// Waits until every thread has published channel `c`. Spins, then yields the core.
+    /// Every part is running on a thread of its own by then ([`run_parts`]' start), and
+    /// none waits for anything but the others' reductions.
     pub fn wait(&self, c: usize) {
         let mut spins = 0u32;
         while self.arrived[c].load(Ordering::Acquire) < self.parts {
@@ -195,24 +200,99 @@ impl Drop for Watch<'_> {
 #[cfg(test)]
 pub(super) static SHARED_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// Runs `f(part, rows)` for every part at once, one per thread of the pool; results in
-/// part order.
+/// How long the parts wait for each other to start before they give up the shared
+/// pass (a pool thread busy with other work, or blocked outside rayon).
+const START_WAIT: Duration = Duration::from_millis(5);
+
+/// The start of a shared pass: how many parts have been claimed, or [`GAVE_UP`].
+struct Start(AtomicUsize);
+
+const GAVE_UP: usize = usize::MAX;
+
+impl Start {
+    /// Claims the next part, unless the pass was given up.
+    fn claim(&self) -> Option<usize> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n != GAVE_UP).then_some(n + 1)
+            })
+            .ok()
+    }
+
+    /// Whether all `parts` parts have been claimed (each by a thread that now runs only
+    /// it) within [`START_WAIT`]; if not, gives the pass up, so that no part starts
+    /// (the decision is one atomic value: every part sees the same).
+    fn all_started(&self, parts: usize) -> bool {
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            match self.0.load(Ordering::Acquire) {
+                GAVE_UP => return false,
+                n if n >= parts => return true,
+                n => {
+                    spins = spins.wrapping_add(1);
+                    if spins % 64 == 0
+                        && t0.elapsed() > START_WAIT
+                        && self
+                            .0
+                            .compare_exchange(n, GAVE_UP, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok()
+                    {
+                        return false;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+}
+
+/// Runs `f(part, rows)` for every part at once, each on a thread of its own; results
+/// in part order. `None` (nothing run, `rows` dropped) when the pool's threads did not
+/// all take a part within [`START_WAIT`]: the caller takes the whole-channel path.
+///
+/// The parts are spawned in a `rayon::scope`, and each claims a part when a thread
+/// runs it. A part waits for the others only once all are claimed: each on its own
+/// thread (a part calls nothing that could run another rayon job on its thread), so
+/// none waits on a thread that is not running its share. A thread that never comes
+/// (blocked outside rayon, or busy for longer than [`START_WAIT`]) costs that wait and
+/// the whole-channel path, not a hang: the spawned parts left over then end at once,
+/// on whichever thread runs them, the scope's own included.
 pub(super) fn run_parts<'a, T: Send, R: Send>(
     ex: &Exchange,
     rows: Vec<TaskRows<'a, T>>,
     f: impl Fn(usize, TaskRows<'a, T>) -> R + Sync,
-) -> Vec<R> {
-    #[cfg(test)]
-    SHARED_RUNS.fetch_add(1, Ordering::Relaxed);
+) -> Option<Vec<R>> {
+    let n = rows.len();
     let slots: Vec<Mutex<Option<TaskRows<'a, T>>>> =
         rows.into_iter().map(|r| Mutex::new(Some(r))).collect();
-    rayon::broadcast(|ctx| {
-        let i = ctx.index();
+    let results: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let start = Start(AtomicUsize::new(0));
+    let part = || -> Option<()> {
+        let i = start.claim()?;
+        if !start.all_started(n) {
+            return None;
+        }
         let rows = slots.get(i)?.lock().ok()?.take()?;
         let _watch = Watch(ex);
-        Some(f(i, rows))
-    })
-    .into_iter()
-    .flatten()
-    .collect()
+        let r = f(i, rows);
+        *results.get(i)?.lock().ok()? = Some(r);
+        Some(())
+    };
+    rayon::scope(|sc| {
+        for _ in 0..n {
+            sc.spawn(|_| {
+                part();
+            });
+        }
+    });
+    if start.0.load(Ordering::Acquire) == GAVE_UP {
+        return None;
+    }
+    #[cfg(test)]
+    SHARED_RUNS.fetch_add(1, Ordering::Relaxed);
+    results
+        .into_iter()
+        .map(|r| r.into_inner().ok().flatten())
+        .collect()
 }
