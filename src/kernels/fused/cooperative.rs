@@ -231,7 +231,7 @@ impl Start {
                 n if n >= parts => return true,
                 n => {
                     spins = spins.wrapping_add(1);
-                    if spins % 64 == 0
+                    if spins.is_multiple_of(64)
                         && t0.elapsed() > START_WAIT
                         && self
                             .0
