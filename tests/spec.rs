@@ -1101,3 +1101,76 @@ fn empty_tensor_with_overflowing_dimensions_is_refused() {
     // Still fine when the dimensions fit.
     assert!(Problem::new(DataFormat::Nchw, &[0, 3, 1 << 20, 1 << 20]).is_ok());
 }
+
+/// A NaN whose payload reaches the 16 low bits of an f32 (0x7FFF_FFFF: rounding it to
+/// bf16 by adding half an ulp would carry it into -0.0) in `scale` or `offset` makes
+/// its channel's bf16 `y` NaN on every ISA, in both layouts, in training and
+/// inference; the other channels are unchanged. (The AVX2 narrowing skips its NaN test
+/// only where no constant of a pass has such a NaN.)
+#[test]
+fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
+    use fusedbn::Isa;
+    let low = f32::from_bits(0x7FFF_FFFF);
+    let c = 8;
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let shape = match format {
+            DataFormat::Nhwc => [2, 24, 24, c],
+            _ => [2, c, 24, 24],
+        };
+        let n: usize = shape.iter().product();
+        let x: Vec<bf16> = (0..n)
+            .map(|i| bf16::from_f32((i % 97) as f32 * 0.25 - 9.0))
+            .collect();
+        let (mean, variance) = (vec![1f32; c], vec![4f32; c]);
+        for isa in Isa::supported() {
+            let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
+            let channel = |i: usize| match format {
+                DataFormat::Nhwc => i % c,
+                _ => i / (24 * 24) % c,
+            };
+            for training in [false, true] {
+                let run = |scale: &[f32], offset: &[f32]| {
+                    let mut y = vec![bf16::ZERO; n];
+                    let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+                    let mode = if training {
+                        Forward::Training(TrainingStats {
+                            saved: SavedStats {
+                                mean: &mut mu,
+                                variance: &mut var,
+                            },
+                            running: None,
+                        })
+                    } else {
+                        Forward::Inference(Statistics {
+                            mean: &mean,
+                            variance: &variance,
+                        })
+                    };
+                    p.forward(
+                        &x,
+                        Affine { scale, offset },
+                        mode,
+                        Epilogue::plain(),
+                        &mut y,
+                    )
+                    .unwrap();
+                    y
+                };
+                let (scale, offset) = (vec![1.5f32; c], vec![0.5f32; c]);
+                let clean = run(&scale, &offset);
+                let (mut dirty_scale, mut dirty_offset) = (scale.clone(), offset.clone());
+                dirty_scale[1] = low;
+                dirty_offset[2] = -low;
+                let dirty = run(&dirty_scale, &dirty_offset);
+                for i in 0..n {
+                    let at = format!("{format} {isa} training={training} element {i}");
+                    if matches!(channel(i), 1 | 2) {
+                        assert!(dirty[i].is_nan(), "{at}: {:?}", dirty[i]);
+                    } else {
+                        assert_eq!(dirty[i].to_bits(), clean[i].to_bits(), "{at}");
+                    }
+                }
+            }
+        }
+    }
+}

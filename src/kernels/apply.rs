@@ -91,7 +91,9 @@ pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
 /// The per-vector function of an elementwise pass: `N` inputs, `K` per-channel
 /// constants.
 pub(crate) trait VectorFn<const N: usize, const K: usize> {
-    /// One output vector from the input and constant vectors.
+    /// One output vector from the input and constant vectors: the result of an
+    /// arithmetic instruction, then possibly `max` with 0 or a mask (the passes
+    /// narrow it under [`Simd::plain_nans`] of the constants).
     fn eval<U: Real, S: Simd<U>>(&self, s: S, x: [S::V; N], k: [S::V; K]) -> S::V;
 }
 
@@ -155,6 +157,8 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
     fn run<S: Simd<T::Stat>>(self, s: S) {
         let (g, l) = (self.g, S::LANES);
         if g.channels_last() {
+            // `f`'s result is an arithmetic result (the `VectorFn` contract).
+            let s = s.plain_nans(&self.consts);
             let c = g.channels;
             // The pattern's period: lcm(C, lanes), repeated to at least 128 elements so
             // the loop over one period is not too short.
@@ -187,7 +191,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                 let k = splat_n(s, kv);
                 // Not resident: a streamed run reads its inputs from DRAM.
                 run_splat(
-                    s,
+                    s.plain_nans(&[&kv]),
                     ins,
                     out,
                     k,

@@ -448,6 +448,11 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) {
+        // `dx = dy·k1` (an arithmetic result) where it is written.
+        let s = match &self.dx {
+            Some((_, k1)) => s.plain_nans(&[k1]),
+            None => s,
+        };
         let (dy, x, st) = (self.dy, self.x, self.stream);
         let (m, q, sums) = (self.mean, self.quads, self.sums);
         match (self.mask, self.dx) {

@@ -196,6 +196,8 @@ where
     c: usize,
     reduced: usize,
     k: [S::V; K],
+    /// The token the rows of `c` are written with: [`Simd::plain_nans`] of `k`.
+    w: S,
     /// The outer rows of `c` this pass writes (and of `reduced` it reduces).
     span: Range<usize>,
     /// The next row of `c` to write (an outer row of `span`, counted in row order).
@@ -215,7 +217,7 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     /// set the pace (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16 1.49
     /// with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and 1.16).
     #[inline(always)]
-    fn upto(&mut self, s: S, end: usize, ahead: usize) {
+    fn upto(&mut self, end: usize, ahead: usize) {
         let g = self.g;
         while self.next < end {
             let o = self.next;
@@ -228,7 +230,7 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
             let pf = [ahead_row(0), ahead_row(1)];
             let o = write_order(&self.span, o, self.reduced != self.c);
             run_splat(
-                s,
+                self.w,
                 row_of(g, self.ins, self.c, o),
                 self.rows.row(self.c, o),
                 self.k,
@@ -246,8 +248,8 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     for RowsBehind<'_, '_, T, S, F, N, K>
 {
     #[inline(always)]
-    fn tile_done(&mut self, s: S, tile: Tile) {
-        self.upto(s, tile.rows_done(self.g, self.reduced), tile.count);
+    fn tile_done(&mut self, _: S, tile: Tile) {
+        self.upto(tile.rows_done(self.g, self.reduced), tile.count);
     }
 }
 
@@ -281,13 +283,15 @@ where
         let mut m = resident_moments(s, g, x, t.c0, &mut NoPace);
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
+            let k = (self.coeffs)(c, m);
             let mut behind = RowsBehind {
                 g,
                 ins: &self.ins,
                 rows: &mut rows,
                 c,
                 reduced: if pipe { c + 1 } else { c },
-                k: splat_n(s, (self.coeffs)(c, m)),
+                k: splat_n(s, k),
+                w: s.plain_nans(&[&k]),
                 next: 0,
                 reads: 1,
                 span: 0..g.outer,
@@ -300,7 +304,7 @@ where
                 Moments::EMPTY
             };
             // Unpipelined, each row of `c` prefetches the same row of `c + 1`.
-            behind.upto(s, g.outer, if pipe { 1 } else { g.outer });
+            behind.upto(g.outer, if pipe { 1 } else { g.outer });
             out.push(m);
             m = if more && !pipe {
                 resident_moments(s, g, x, c + 1, &mut NoPace)
@@ -347,13 +351,15 @@ where
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
+            let k = [dm, self.mean[c], k1, k2];
             let mut behind = RowsBehind {
                 g,
                 ins: &self.ins,
                 rows: &mut rows,
                 c,
                 reduced: if pipe { c + 1 } else { c },
-                k: splat_n(s, [dm, self.mean[c], k1, k2]),
+                k: splat_n(s, k),
+                w: s.plain_nans(&[&k]),
                 next: 0,
                 reads: 2,
                 span: 0..g.outer,
@@ -365,7 +371,7 @@ where
             } else {
                 (0.0, 0.0)
             };
-            behind.upto(s, g.outer, if pipe { 1 } else { g.outer });
+            behind.upto(g.outer, if pipe { 1 } else { g.outer });
             out.push(sums);
             sums = if more && !pipe {
                 resident_sums(s, g, data, self.mean, c + 1, &mut NoPace)
@@ -498,13 +504,15 @@ where
         let mut m = shared_moments(ex, 0);
         for c in 0..g.channels {
             let more = c + 1 < g.channels;
+            let k = (self.coeffs)(c, m);
             let mut behind = RowsBehind {
                 g,
                 ins: &self.ins,
                 rows: &mut rows,
                 c,
                 reduced: c + 1,
-                k: splat_n(s, (self.coeffs)(c, m)),
+                k: splat_n(s, k),
+                w: s.plain_nans(&[&k]),
                 span: span.clone(),
                 next: span.start,
                 reads: 1,
@@ -514,7 +522,7 @@ where
             if more {
                 share_moments(s, g, x, c + 1, plan, part, ex, &mut behind);
             }
-            behind.upto(s, span.end, 1);
+            behind.upto(span.end, 1);
             out.push(m);
             if more {
                 m = shared_moments(ex, c + 1);
@@ -563,13 +571,15 @@ where
         for c in 0..g.channels {
             let more = c + 1 < g.channels;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
+            let k = [dm, self.mean[c], k1, k2];
             let mut behind = RowsBehind {
                 g,
                 ins: &self.ins,
                 rows: &mut rows,
                 c,
                 reduced: c + 1,
-                k: splat_n(s, [dm, self.mean[c], k1, k2]),
+                k: splat_n(s, k),
+                w: s.plain_nans(&[&k]),
                 span: span.clone(),
                 next: span.start,
                 reads: 2,
@@ -579,7 +589,7 @@ where
             if more {
                 share_sums(s, g, data, self.mean, c + 1, plan, part, ex, &mut behind);
             }
-            behind.upto(s, span.end, 1);
+            behind.upto(span.end, 1);
             out.push(sums);
             if more {
                 sums = shared_sums(ex, c + 1);
@@ -855,7 +865,7 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
             let (m, k1) = (self.mean[c], self.k1[c]);
             let range = t.o0..t.o1;
             out.push(channel_rows_out(
-                s,
+                s.plain_nans(&[&[k1]]),
                 g,
                 data,
                 m,
