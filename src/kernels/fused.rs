@@ -647,24 +647,61 @@ where
 {
     let stream = g.stream_resident(size_of::<T>());
     let pipelined = g.pipelined(size_of::<T>());
+    resident_pass(
+        g,
+        pipelined,
+        y,
+        |plan, part, rows, ex| {
+            T::Stat::dispatch(
+                isa,
+                SharedForward {
+                    g,
+                    ins,
+                    rows,
+                    coeffs,
+                    stream,
+                    f,
+                    plan,
+                    part,
+                    ex,
+                },
+            )
+        },
+        |rows| {
+            T::Stat::dispatch(
+                isa,
+                ResidentForward {
+                    g,
+                    ins,
+                    rows,
+                    coeffs,
+                    stream,
+                    pipelined,
+                    f,
+                },
+            )
+        },
+    )
+}
+
+/// A channel-major training pass over channels kept in cache, writing `out`: shared
+/// between the threads (`shared(plan, part, rows, exchange)` on every pool thread, each
+/// part returning every channel's result) where the pass is pipelined, its channels
+/// are several row chunks ([`Plan`]) and no other shared pass runs ([`Claim`]); else,
+/// or where a pool thread did not come ([`run_parts`]), whole channels on each thread
+/// (`whole(rows)` per task, their results in channel order).
+fn resident_pass<T: Element, R: Send>(
+    g: &Geometry,
+    pipelined: bool,
+    out: &mut [T],
+    shared: impl for<'r> Fn(Plan, usize, TaskRows<'r, T>, &Exchange) -> Vec<R> + Sync,
+    whole: impl for<'r> Fn(TaskRows<'r, T>) -> Vec<R> + Sync + Send,
+) -> Vec<R> {
     if let (true, Some(plan)) = (pipelined, Plan::new(g)) {
         if let Some(_claim) = Claim::take() {
             let ex = Exchange::new(g, &plan);
-            let parts = run_parts(&ex, plan.rows_mut(g, y), |part, rows| {
-                T::Stat::dispatch(
-                    isa,
-                    SharedForward {
-                        g,
-                        ins,
-                        rows,
-                        coeffs,
-                        stream,
-                        f,
-                        plan,
-                        part,
-                        ex: &ex,
-                    },
-                )
+            let parts = run_parts(&ex, plan.rows_mut(g, out), |part, rows| {
+                shared(plan, part, rows, &ex)
             });
             if let Some(first) = parts.and_then(|p| p.into_iter().next()) {
                 return first;
@@ -672,21 +709,8 @@ where
         }
     }
     let split = ChannelMajorSplit::whole_channels(g, pipelined);
-    map_items(g, split.rows_mut(g, y), |_, rows| {
-        T::Stat::dispatch(
-            isa,
-            ResidentForward {
-                g,
-                ins,
-                rows,
-                coeffs,
-                stream,
-                pipelined,
-                f,
-            },
-        )
-    })
-    .concat()
+    let per_task = map_items(g, split.rows_mut(g, out), |_, rows| whole(rows));
+    per_task.into_iter().flatten().collect()
 }
 
 /// Gradient in training mode: the backward sums, then
@@ -733,48 +757,43 @@ where
 {
     let stream = g.stream_resident(size_of::<T>());
     let pipelined = g.pipelined(size_of::<T>());
-    if let (true, Some(plan)) = (pipelined, Plan::new(g)) {
-        if let Some(_claim) = Claim::take() {
-            let ex = Exchange::new(g, &plan);
-            let parts = run_parts(&ex, plan.rows_mut(g, dx), |part, rows| {
-                T::Stat::dispatch(
-                    isa,
-                    SharedBackward {
-                        g,
-                        ins,
-                        mean,
-                        rows,
-                        coeffs,
-                        stream,
-                        f,
-                        plan,
-                        part,
-                        ex: &ex,
-                    },
-                )
-            });
-            if let Some(first) = parts.and_then(|p| p.into_iter().next()) {
-                return first;
-            }
-        }
-    }
-    let split = ChannelMajorSplit::whole_channels(g, pipelined);
-    map_items(g, split.rows_mut(g, dx), |_, rows| {
-        T::Stat::dispatch(
-            isa,
-            ResidentBackward {
-                g,
-                ins,
-                mean,
-                rows,
-                coeffs,
-                stream,
-                pipelined,
-                f,
-            },
-        )
-    })
-    .concat()
+    resident_pass(
+        g,
+        pipelined,
+        dx,
+        |plan, part, rows, ex| {
+            T::Stat::dispatch(
+                isa,
+                SharedBackward {
+                    g,
+                    ins,
+                    mean,
+                    rows,
+                    coeffs,
+                    stream,
+                    f,
+                    plan,
+                    part,
+                    ex,
+                },
+            )
+        },
+        |rows| {
+            T::Stat::dispatch(
+                isa,
+                ResidentBackward {
+                    g,
+                    ins,
+                    mean,
+                    rows,
+                    coeffs,
+                    stream,
+                    pipelined,
+                    f,
+                },
+            )
+        },
+    )
 }
 
 /// Gradient in inference mode: `dx = dy·k1[c]` and the backward sums (with `mean`), in
