@@ -548,19 +548,37 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
     let mut j0 = 0;
     let const_bytes = K * per * S::LANES * std::mem::size_of::<U>();
-    if !STREAM && const_bytes >= QUAD_CONST_BYTES {
+    let quad = if STREAM {
+        S::LANES * size_of::<T>() >= 64
+    } else {
+        const_bytes >= QUAD_CONST_BYTES
+    };
+    if quad {
         // Four periods at a time, each vector of constants loaded once for the four
         // (K loads per four vectors of x, not per vector): with C in the thousands the
         // constants are K times the size of a pixel and do not stay in L1 beside it
         // ([`QUAD_CONST_BYTES`]).
-        // Elementwise, so the bits are the same in any order. Not when streaming: from
-        // DRAM, four interleaved pixel streams read slower than memory order.
+        // Elementwise, so the bits are the same in any order. Streamed only where each
+        // vector is a whole line (f32 with AVX-512): non-temporal stores to four
+        // interleaved lines of several vectors each keep partial lines in the
+        // write-combining buffers. Intel Xeon, from DRAM, NHWC forward inference, time ÷
+        // copy: bf16 AVX2 0.95 -> 1.80, f32 AVX2 0.67 -> 1.11 (64x56x56x256); f32
+        // AVX-512 (`scripts/ab.sh 4`, 64x112x112x64 / 64x56x56x256) 0.648 / 0.634 ->
+        // 0.611 / 0.625, forward training 1.087 / 1.079 -> 1.069 / 1.057.
+        // Not taken: 16-bit elements in cache, where one thread in L2 gained (NHWC
+        // 1x64x64x64, f16 AVX2 0.026 -> 0.018 ms) but the ResNet-50 shapes moved both
+        // ways (16x7x7x512 bf16 AVX2 forward inference 3.8 -> 3.1 of a copy,
+        // 16x14x14x1024 f16 AVX-512 1.03 -> 1.21), too noisy to choose.
         while j0 + 4 * per <= total {
             for i in 0..per / 2 {
                 let q = 2 * i;
                 let (k0, k1) = (consts.load(s, q), consts.load(s, q + 1));
                 for r in 0..4 {
                     let j = j0 + r * per + q;
+                    if STREAM {
+                        // From DRAM (see STREAM_AHEAD_BYTES).
+                        w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
+                    }
                     let (x, y) = w.load_pair(s, j);
                     let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
                     w.store_pair::<S, STREAM>(s, j, a, b);
