@@ -1174,3 +1174,79 @@ fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
         }
     }
 }
+
+/// The gradients' side of the test above: a NaN of payload 0x7FFF_FFFF in `scale`
+/// (every pass) or in the saved `mean` (training, where `dx` depends on it) makes its
+/// channel's bf16 `dx` NaN on every ISA, in both layouts; the other channels are
+/// unchanged (the resident training pass, the elementwise gradient and both inference
+/// gradients narrow without the NaN test only where their constants allow it).
+#[test]
+fn spec7_bf16_nan_gradients_with_low_payloads_stay_nan() {
+    use fusedbn::Isa;
+    let low = f32::from_bits(0x7FFF_FFFF);
+    let c = 8;
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let shape = match format {
+            DataFormat::Nhwc => [2, 24, 24, c],
+            _ => [2, c, 24, 24],
+        };
+        let n: usize = shape.iter().product();
+        let value = |i: usize, k: usize| bf16::from_f32(((i * k) % 89) as f32 * 0.125 - 5.0);
+        let x: Vec<bf16> = (0..n).map(|i| value(i, 1)).collect();
+        let dy: Vec<bf16> = (0..n).map(|i| value(i, 7)).collect();
+        let channel = |i: usize| match format {
+            DataFormat::Nhwc => i % c,
+            _ => i / (24 * 24) % c,
+        };
+        for isa in Isa::supported() {
+            let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
+            for training in [false, true] {
+                let run = |scale: &[f32], mean: &[f32]| {
+                    let variance = vec![4f32; c];
+                    let stats = Statistics {
+                        mean,
+                        variance: &variance,
+                    };
+                    let mode = if training {
+                        Backward::Training(stats)
+                    } else {
+                        Backward::Inference(stats)
+                    };
+                    let mut dx = vec![bf16::ZERO; n];
+                    let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
+                    p.backward(
+                        GradInputs {
+                            y_backprop: &dy,
+                            x: &x,
+                        },
+                        scale,
+                        mode,
+                        GradEpilogue::default(),
+                        Gradients {
+                            x: &mut dx,
+                            scale: &mut ds,
+                            offset: &mut db,
+                        },
+                    )
+                    .unwrap();
+                    dx
+                };
+                let (scale, mean) = (vec![1.5f32; c], vec![0.25f32; c]);
+                let clean = run(&scale, &mean);
+                let (mut dirty_scale, mut dirty_mean) = (scale.clone(), mean.clone());
+                dirty_scale[1] = low;
+                dirty_mean[2] = -low;
+                let dirty = run(&dirty_scale, &dirty_mean);
+                for i in 0..n {
+                    let at = format!("{format} {isa} training={training} element {i}");
+                    let nan = channel(i) == 1 || (training && channel(i) == 2);
+                    if nan {
+                        assert!(dirty[i].is_nan(), "{at}: {:?}", dirty[i]);
+                    } else {
+                        assert_eq!(dirty[i].to_bits(), clean[i].to_bits(), "{at}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -380,3 +380,23 @@ impl Simd<f32> for Avx2 {
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flag of [`Simd::plain_nans`]: set by constants without a NaN payload in the
+    /// 16 low bits (ordinary values, infinities, NaNs as arithmetic makes them), cleared
+    /// by one such NaN in any slice; each call judges its own constants.
+    #[test]
+    fn plain_nans_only_without_low_payloads() {
+        let s = Avx2 { plain_nans: false };
+        let clean: [&[f32]; 2] = [&[1.0, -0.0, f32::NAN, -f32::NAN], &[f32::INFINITY]];
+        assert!(s.plain_nans(&clean).plain_nans);
+        assert!(s.plain_nans(&[]).plain_nans);
+        let low = f32::from_bits(0x7FC0_0001);
+        assert!(!s.plain_nans(&[&[1.0], &[2.0, low]]).plain_nans);
+        assert!(!s.plain_nans(&[&[f32::from_bits(0xFFFF_FFFF)]]).plain_nans);
+        assert!(s.plain_nans(&[&[low]]).plain_nans(&clean).plain_nans);
+    }
+}

@@ -254,8 +254,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     }
     /// This token for a pass whose stored values are each the result of an IEEE
     /// arithmetic instruction (then possibly `max` with 0 or a mask) on elements of the
-    /// tensors (of the element type) and on `consts` alone: where no value of `consts` is a NaN with a payload in the 16
-    /// low bits of its f32 (the bits bf16 drops), neither is any NaN the pass stores
+    /// tensors (of the element type) and on `consts` alone: where no value of `consts`
+    /// is a NaN with a payload in the 16 low bits of its f32 (the bits bf16 drops),
+    /// neither is any NaN the pass stores
     /// (x86 arithmetic returns the default NaN, whose 16 low bits are zero, or a
     /// quieted operand; a bf16 element widens with zeros there), and the AVX2 bf16
     /// narrowing skips its NaN test: the round-to-nearest-even addition then leaves
