@@ -1102,6 +1102,43 @@ fn empty_tensor_with_overflowing_dimensions_is_refused() {
     assert!(Problem::new(DataFormat::Nchw, &[0, 3, 1 << 20, 1 << 20]).is_ok());
 }
 
+/// The channels of the two low-payload NaN tests below.
+const NAN_CHANNELS: usize = 8;
+
+/// The bf16 problems of the two low-payload NaN tests below: `NAN_CHANNELS` channels of
+/// 2×24×24 elements, in NHWC and in NCHW.
+fn nan_problems() -> [(DataFormat, [usize; 4]); 2] {
+    let c = NAN_CHANNELS;
+    [
+        (DataFormat::Nhwc, [2, 24, 24, c]),
+        (DataFormat::Nchw, [2, c, 24, 24]),
+    ]
+}
+
+/// Asserts that every element of `dirty` in a channel where `nan(channel)` is NaN and
+/// that every other one has the bits of `clean`'s.
+fn assert_nan_channels(
+    format: DataFormat,
+    dirty: &[bf16],
+    clean: &[bf16],
+    nan: impl Fn(usize) -> bool,
+    at: &str,
+) {
+    let c = NAN_CHANNELS;
+    assert_eq!(dirty.len(), clean.len(), "{at}");
+    for (i, (d, k)) in dirty.iter().zip(clean).enumerate() {
+        let channel = match format {
+            DataFormat::Nhwc => i % c,
+            _ => i / (24 * 24) % c,
+        };
+        if nan(channel) {
+            assert!(d.is_nan(), "{at} element {i}: {d:?}");
+        } else {
+            assert_eq!(d.to_bits(), k.to_bits(), "{at} element {i}");
+        }
+    }
+}
+
 /// A NaN whose payload reaches the 16 low bits of an f32 (0x7FFF_FFFF: rounding it to
 /// bf16 by adding half an ulp would carry it into -0.0) in `scale` or `offset` makes
 /// its channel's bf16 `y` NaN on every ISA, in both layouts, in training and
@@ -1111,12 +1148,8 @@ fn empty_tensor_with_overflowing_dimensions_is_refused() {
 fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
     use fusedbn::Isa;
     let low = f32::from_bits(0x7FFF_FFFF);
-    let c = 8;
-    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
-        let shape = match format {
-            DataFormat::Nhwc => [2, 24, 24, c],
-            _ => [2, c, 24, 24],
-        };
+    let c = NAN_CHANNELS;
+    for (format, shape) in nan_problems() {
         let n: usize = shape.iter().product();
         let x: Vec<bf16> = (0..n)
             .map(|i| bf16::from_f32((i % 97) as f32 * 0.25 - 9.0))
@@ -1124,10 +1157,6 @@ fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
         let (mean, variance) = (vec![1f32; c], vec![4f32; c]);
         for isa in Isa::supported() {
             let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
-            let channel = |i: usize| match format {
-                DataFormat::Nhwc => i % c,
-                _ => i / (24 * 24) % c,
-            };
             for training in [false, true] {
                 let run = |scale: &[f32], offset: &[f32]| {
                     let mut y = vec![bf16::ZERO; n];
@@ -1162,14 +1191,8 @@ fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
                 dirty_scale[1] = low;
                 dirty_offset[2] = -low;
                 let dirty = run(&dirty_scale, &dirty_offset);
-                for i in 0..n {
-                    let at = format!("{format} {isa} training={training} element {i}");
-                    if matches!(channel(i), 1 | 2) {
-                        assert!(dirty[i].is_nan(), "{at}: {:?}", dirty[i]);
-                    } else {
-                        assert_eq!(dirty[i].to_bits(), clean[i].to_bits(), "{at}");
-                    }
-                }
+                let at = format!("{format} {isa} training={training}");
+                assert_nan_channels(format, &dirty, &clean, |ch| matches!(ch, 1 | 2), &at);
             }
         }
     }
@@ -1184,20 +1207,12 @@ fn spec7_bf16_nan_constants_with_low_payloads_stay_nan() {
 fn spec7_bf16_nan_gradients_with_low_payloads_stay_nan() {
     use fusedbn::Isa;
     let low = f32::from_bits(0x7FFF_FFFF);
-    let c = 8;
-    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
-        let shape = match format {
-            DataFormat::Nhwc => [2, 24, 24, c],
-            _ => [2, c, 24, 24],
-        };
+    let c = NAN_CHANNELS;
+    for (format, shape) in nan_problems() {
         let n: usize = shape.iter().product();
         let value = |i: usize, k: usize| bf16::from_f32(((i * k) % 89) as f32 * 0.125 - 5.0);
         let x: Vec<bf16> = (0..n).map(|i| value(i, 1)).collect();
         let dy: Vec<bf16> = (0..n).map(|i| value(i, 7)).collect();
-        let channel = |i: usize| match format {
-            DataFormat::Nhwc => i % c,
-            _ => i / (24 * 24) % c,
-        };
         for isa in Isa::supported() {
             let p = Problem::new(format, &shape).unwrap().with_isa(isa).unwrap();
             for training in [false, true] {
@@ -1237,15 +1252,9 @@ fn spec7_bf16_nan_gradients_with_low_payloads_stay_nan() {
                 dirty_scale[1] = low;
                 dirty_mean[2] = -low;
                 let dirty = run(&dirty_scale, &dirty_mean);
-                for i in 0..n {
-                    let at = format!("{format} {isa} training={training} element {i}");
-                    let nan = channel(i) == 1 || (training && channel(i) == 2);
-                    if nan {
-                        assert!(dirty[i].is_nan(), "{at}: {:?}", dirty[i]);
-                    } else {
-                        assert_eq!(dirty[i].to_bits(), clean[i].to_bits(), "{at}");
-                    }
-                }
+                let at = format!("{format} {isa} training={training}");
+                let nan = |ch| ch == 1 || (training && ch == 2);
+                assert_nan_channels(format, &dirty, &clean, nan, &at);
             }
         }
     }
