@@ -790,14 +790,16 @@ mod tests {
     }
 
     /// Narrows `src` two vectors at a time with [`Simd::store2_ptr`], into a
-    /// vector-aligned buffer with [`Simd::stream2_ptr`], and in the ISA's pair order
-    /// with [`Simd::store_pair_ptr`]; with `consts`, under [`Simd::plain_nans`] of them.
+    /// vector-aligned buffer with [`Simd::stream2_ptr`], in the ISA's pair order
+    /// with [`Simd::store_pair_ptr`], and one vector at a time with [`Simd::store`];
+    /// with `consts`, under [`Simd::plain_nans`] of them.
     struct Pairs<'a, T> {
         src: &'a [f32],
         consts: Option<&'a [f32]>,
         stored: &'a mut [T],
         streamed: &'a mut [T],
         paired: &'a mut [T],
+        single: &'a mut [T],
     }
 
     impl<T: Element<Stat = f32>> Kernel<f32> for Pairs<'_, T> {
@@ -834,6 +836,8 @@ mod tests {
                 unsafe {
                     s.store_pair_ptr(self.paired.as_mut_ptr().add(i), s.load(&x), s.load(&y));
                 }
+                s.store(&mut self.single[i..], a);
+                s.store(&mut self.single[i + l..], b);
             }
             s.fence();
         }
@@ -850,12 +854,14 @@ mod tests {
             let mut stored = vec![T::default(); src.len()];
             let mut streamed = vec![T::default(); src.len() + 16];
             let mut paired = vec![T::default(); src.len()];
+            let mut single = vec![T::default(); src.len()];
             isa.run(Pairs {
                 src,
                 consts,
                 stored: &mut stored,
                 streamed: &mut streamed,
                 paired: &mut paired,
+                single: &mut single,
             });
             let lanes = if isa == Isa::Avx512 { 16 } else { 8 };
             let n = src.len() / (2 * lanes) * (2 * lanes);
@@ -866,6 +872,7 @@ mod tests {
                 assert_eq!(to_bits(stored[i]), want, "store2, {at}");
                 assert_eq!(to_bits(streamed[head + i]), want, "stream2, {at}");
                 assert_eq!(to_bits(paired[i]), want, "store_pair, {at}");
+                assert_eq!(to_bits(single[i]), want, "store, {at}");
             }
         }
     }
