@@ -367,6 +367,8 @@ fn splat_body<
     // A pair is loaded and stored in the ISA's pair order (`Simd::pair_even_odd`):
     // every lane has the same constants here, so the order does not matter.
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
+    // Checked once here, so the loads and stores below carry no check of their own.
+    assert!(w.reads.lanes_of(s));
     for i in 0..total / 2 {
         let j = 2 * i;
         if AHEAD {
@@ -376,9 +378,11 @@ fn splat_body<
             s.prefetch_ptr(p.wrapping_add(j * S::LANES));
             s.prefetch_ptr(p.wrapping_add((j + 1) * S::LANES));
         }
-        let (x, y) = w.load_pair(s, j);
+        // SAFETY: `j + 1 < 2·(total / 2) <= total`; lanes checked above.
+        let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };
         let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
-        w.store_pair::<S, STREAM>(s, j, a, b);
+        // SAFETY: as for the load.
+        unsafe { w.store_pair_unchecked::<S, STREAM>(s, j, a, b) };
     }
     if total % 2 == 1 {
         let j = total - 1;
@@ -550,7 +554,12 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
-    let (total, per) = (w.vectors(), consts.vectors().max(1));
+    let (total, per) = (w.vectors(), consts.vectors());
+    // The ranges of every load and store below, proved once (split-once: an `assert!`
+    // per load cost channels-last 16-bit passes about a tenth of their instructions):
+    // every run of vectors is at most one period (`per`) long and ends by `total`.
+    assert!(w.reads.lanes_of(s) && consts.lanes_of(s) && singles.lanes_of(s));
+    assert!(singles.vectors() == per && (per > 0 || total == 0));
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
     let mut j0 = 0;
     let const_bytes = K * per * S::LANES * std::mem::size_of::<U>();
@@ -578,16 +587,19 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
         while j0 + 4 * per <= total {
             for i in 0..per / 2 {
                 let q = 2 * i;
-                let (k0, k1) = (consts.load(s, q), consts.load(s, q + 1));
+                // SAFETY (every access of this block): `q + 1 < per`, and vector
+                // `j0 + r·per + q + 1 < j0 + 4·per <= total`; lanes checked above.
+                let (k0, k1) =
+                    unsafe { (consts.load_unchecked(s, q), consts.load_unchecked(s, q + 1)) };
                 for r in 0..4 {
                     let j = j0 + r * per + q;
                     if STREAM {
                         // From DRAM (see STREAM_AHEAD_BYTES).
                         w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
                     }
-                    let (x, y) = w.load_pair(s, j);
+                    let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };
                     let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
-                    w.store_pair::<S, STREAM>(s, j, a, b);
+                    unsafe { w.store_pair_unchecked::<S, STREAM>(s, j, a, b) };
                 }
             }
             if per % 2 == 1 {
@@ -603,6 +615,7 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
         }
     }
     while j0 < total {
+        // 1 <= m <= per, and j0 + m <= total.
         let m = per.min(total - j0);
         // Pairs in the ISA's pair order, with constants laid out the same way (see
         // `Pattern`), then an odd last vector with constants in memory order.
@@ -612,10 +625,13 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
                 // Streamed: the inputs come from DRAM (see STREAM_AHEAD_BYTES).
                 w.reads.prefetch_ahead(s, j0 + q, ahead, 2 * S::LANES);
             }
-            let (x, y) = w.load_pair(s, j0 + q);
-            let a = f.eval(s, x, consts.load(s, q));
-            let b = f.eval(s, y, consts.load(s, q + 1));
-            w.store_pair::<S, STREAM>(s, j0 + q, a, b);
+            // SAFETY (every access of this block): `q + 1 < m <= per` and
+            // `j0 + q + 1 < j0 + m <= total`; lanes checked above.
+            let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j0 + q) };
+            let (k0, k1) =
+                unsafe { (consts.load_unchecked(s, q), consts.load_unchecked(s, q + 1)) };
+            let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
+            unsafe { w.store_pair_unchecked::<S, STREAM>(s, j0 + q, a, b) };
         }
         if m % 2 == 1 {
             let q = m - 1;
