@@ -51,6 +51,12 @@ fi
 echo "== cargo test --workspace --release (includes the candle and burn training examples' #[test]s)"
 cargo test --workspace --release
 
+# The library's unit tests once more unoptimized, as a user's debug build compiles it:
+# overflow checks and debug assertions on, and kernels whose frames take megabytes of
+# stack (see `on_enough_stack` in src/kernels/simd/mod.rs). About a minute.
+echo "== cargo test -p fusedbn --lib (unoptimized)"
+cargo test -p fusedbn --lib
+
 if [ "${FUSEDBN_SKIP_MPI:-0}" = 1 ]; then
     echo "== MPI tests skipped (FUSEDBN_SKIP_MPI=1)"
     exit 0

@@ -214,7 +214,9 @@ impl Start {
     fn claim(&self) -> Option<usize> {
         self.0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n != GAVE_UP).then_some(n + 1)
+                // Lazily: `then_some(n + 1)` computed `GAVE_UP + 1` (an overflow panic in
+                // debug builds) once a pass was given up.
+                (n != GAVE_UP).then(|| n + 1)
             })
             .ok()
     }

@@ -110,6 +110,11 @@ impl Isa {
     /// the portable code instead.
     #[inline]
     pub fn run<K: Kernel<f32>>(self, k: K) -> K::Output {
+        on_enough_stack(|| self.run_here(k))
+    }
+
+    #[inline]
+    fn run_here<K: Kernel<f32>>(self, k: K) -> K::Output {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the features were detected on this CPU (cached after the first call).
@@ -168,9 +173,30 @@ impl Dispatch for f32 {
 impl Dispatch for f64 {
     #[inline]
     fn dispatch<K: Kernel<f64>>(_isa: Isa, k: K) -> K::Output {
-        k.run(Portable)
+        on_enough_stack(|| k.run(Portable))
     }
 }
+
+/// Runs `f` (a kernel) where the stack has room for it. In release builds that is
+/// anywhere: a kernel's frame is a few KiB. Unoptimized builds keep every value of
+/// every `#[inline(always)]` function inlined into the kernel in a stack slot of its
+/// own, up to 2.7 MB for one kernel (an AVX-512 resident pass), more than the 2 MiB
+/// of a rayon thread: a debug build of NCHW 8x64x64x64 bf16 backward training died
+/// of a stack overflow. There, `f` runs on a fresh stack (`stacker`, made for this)
+/// when less than [`DEBUG_STACK_RED_ZONE`] is left.
+#[inline(always)]
+fn on_enough_stack<R>(f: impl FnOnce() -> R) -> R {
+    if cfg!(debug_assertions) {
+        stacker::maybe_grow(DEBUG_STACK_RED_ZONE, DEBUG_STACK, f)
+    } else {
+        f()
+    }
+}
+
+/// The stack a kernel needs in an unoptimized build (with margin: the largest frame
+/// measured was 2.7 MB), and the size of the stack it gets when less is left.
+const DEBUG_STACK_RED_ZONE: usize = 6 << 20;
+const DEBUG_STACK: usize = 16 << 20;
 
 /// An ISA token: proof that the ISA's instructions may be used, and the operations on
 /// its vector of `LANES` compute values `U`.
