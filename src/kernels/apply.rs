@@ -375,8 +375,9 @@ fn splat_body<
             w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
         }
         for p in &pf[..PF] {
-            s.prefetch_ptr(p.wrapping_add(j * S::LANES));
-            s.prefetch_ptr(p.wrapping_add((j + 1) * S::LANES));
+            // One hint per line of the pair, not per vector (a pair of 16-bit AVX2
+            // vectors is half a line: four hints a line with two prefetched inputs).
+            s.prefetch_lines(p.wrapping_add(j * S::LANES), 2 * S::LANES);
         }
         // SAFETY: `j + 1 < 2·(total / 2) <= total`; lanes checked above.
         let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };

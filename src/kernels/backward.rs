@@ -293,21 +293,46 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     (mut a, mut b): (S::V, S::V),
 ) -> (S::V, S::V) {
     let r = Reads::new(S::LANES, ins, ins[0].len());
+    assert!(r.lanes_of(s));
     let zero = s.splat(U::ZERO);
-    let (mut a1, mut b1) = (zero, zero);
-    let pairs = r.vectors() / 2;
-    for i in 0..pairs {
-        fold(s, &r.load(s, 2 * i), m, &mut a, &mut b);
-        fold(s, &r.load(s, 2 * i + 1), m, &mut a1, &mut b1);
+    let (mut a1, mut b1, mut a2, mut b2, mut a3, mut b3) = (zero, zero, zero, zero, zero, zero);
+    // Four vectors a step, in four chains of sums: with two, the loop waited on the
+    // latency of its additions (as `stats::deviation_sums`).
+    for i in 0..r.vectors() / 4 {
+        let j = 4 * i;
+        // SAFETY: `j + 3 < 4·(vectors / 4) <= vectors`; lanes checked above.
+        let (v0, v1, v2, v3) = unsafe {
+            (
+                r.load_unchecked(s, j),
+                r.load_unchecked(s, j + 1),
+                r.load_unchecked(s, j + 2),
+                r.load_unchecked(s, j + 3),
+            )
+        };
+        fold(s, &v0, m, &mut a, &mut b);
+        fold(s, &v1, m, &mut a1, &mut b1);
+        fold(s, &v2, m, &mut a2, &mut b2);
+        fold(s, &v3, m, &mut a3, &mut b3);
     }
-    if r.vectors() % 2 == 1 {
-        fold(s, &r.load(s, r.vectors() - 1), m, &mut a, &mut b);
+    // The last 0–3 whole vectors, into the first chains, in order.
+    let j = r.vectors() / 4 * 4;
+    if j < r.vectors() {
+        fold(s, &r.load(s, j), m, &mut a, &mut b);
+    }
+    if j + 1 < r.vectors() {
+        fold(s, &r.load(s, j + 1), m, &mut a1, &mut b1);
+    }
+    if j + 2 < r.vectors() {
+        fold(s, &r.load(s, j + 2), m, &mut a2, &mut b2);
     }
     let (at, n) = r.tail();
     if n > 0 {
         (_, (a, b)) = sums_partial(s, &ins, at, n, m, (a, b));
     }
-    (s.add(a, a1), s.add(b, b1))
+    (
+        s.add(s.add(a, a1), s.add(a2, a3)),
+        s.add(s.add(b, b1), s.add(b2, b3)),
+    )
 }
 
 /// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
