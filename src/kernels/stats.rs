@@ -713,11 +713,10 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 /// not a multiple of the lanes), with the `2·G·SETS` accumulators in registers: `SETS`
 /// consecutive pixels go to separate sets, so that at least four add chains run at once.
 ///
-/// The general loop keeps its accumulators in memory (their number depends on C): each
-/// is a store → load → add chain per pixel, and an accumulator whose address aliases
-/// the data modulo 4 KiB stalls every load behind it. With small C that was the whole
-/// cost of the pass: a process saw either 1.3 or 2.3 µs for the moments of
-/// 2x8x8x32 f32 (Zen 3), depending on where its buffers landed.
+/// Accumulators in memory (a store → load → add chain per pixel) stall every load of x
+/// that aliases one of them modulo 4 KiB. With small C that was the whole cost of the
+/// pass: a process saw either 1.3 or 2.3 µs for the moments of 2x8x8x32 f32 (Zen 3),
+/// depending on where its buffers landed.
 #[inline(always)]
 fn deviation_sums_regs<
     U: Real,
@@ -730,27 +729,64 @@ fn deviation_sums_regs<
     tile: &[T],
     c: usize,
     pivot: &[S::V],
+    sums: (&mut [U], &mut [U]),
+) {
+    // Whether the last vector is partial, decided once: inside the loop a test per
+    // vector (and a prefetch loop of C-dependent length per block) stayed in the
+    // machine code (NHWC 64x112x112x64 f16, AVX-512).
+    if c % S::LANES == 0 {
+        regs_loop::<U, S, T, G, SETS, false>(s, tile, c, pivot, sums)
+    } else {
+        regs_loop::<U, S, T, G, SETS, true>(s, tile, c, pivot, sums)
+    }
+}
+
+/// [`deviation_sums_regs`] with `PARTIAL` = whether `C` is not a multiple of the lanes.
+#[inline(always)]
+fn regs_loop<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const G: usize,
+    const SETS: usize,
+    const PARTIAL: bool,
+>(
+    s: S,
+    tile: &[T],
+    c: usize,
+    pivot: &[S::V],
     (sum1, sum2): (&mut [U], &mut [U]),
 ) {
     let (l, zero) = (S::LANES, s.splat(U::ZERO));
-    let full = c / l;
+    // Whole vectors a pixel: every load of `pixel_deviations` lies inside its pixel.
+    let full = if PARTIAL { G - 1 } else { G };
+    assert!(c / l == full && c.div_ceil(l) == G && tile.len() % c == 0);
+    assert!(sum1.len() >= G * l && sum2.len() >= G * l);
     let pivot: [S::V; G] = std::array::from_fn(|g| pivot[g]);
     let (mut a, mut b) = ([[zero; G]; SETS], [[zero; G]; SETS]);
-    // x prefetched PREFETCH_BYTES ahead, one hint per line, as in the loops with
-    // accumulators in memory: on an Intel Xeon (AVX-512, 2 threads, `scripts/ab.sh`)
-    // NHWC forward training of 64x112x112x64 from DRAM went 1.29 -> 1.16 of a copy in
-    // f32, 1.61 -> 1.29 in bf16, 1.61 -> 1.23 in f16 (64x112x112x32 f32 1.22 -> 1.04);
-    // in-cache shapes (16x56x56x64, 16x28x28x32) moved within the noise.
+    // x prefetched PREFETCH_BYTES ahead, one hint per line: on an Intel Xeon (AVX-512,
+    // 2 threads, `scripts/ab.sh`) NHWC forward training of 64x112x112x64 from DRAM went
+    // 1.29 -> 1.16 of a copy in f32, 1.61 -> 1.29 in bf16, 1.61 -> 1.23 in f16
+    // (64x112x112x32 f32 1.22 -> 1.04); in-cache shapes (16x56x56x64, 16x28x28x32)
+    // moved within the noise. A block of whole vectors is a constant length, so its
+    // hints are unrolled.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
+    let block_len = if PARTIAL { SETS * c } else { SETS * G * l };
     let mut blocks = tile.chunks_exact(SETS * c);
     for block in &mut blocks {
-        s.prefetch_lines(block.as_ptr().wrapping_add(ahead), SETS * c);
+        s.prefetch_lines(block.as_ptr().wrapping_add(ahead), block_len);
         for k in 0..SETS {
-            pixel_deviations(s, &block[k * c..][..c], full, &pivot, &mut a[k], &mut b[k]);
+            pixel_deviations::<U, S, T, G, PARTIAL>(
+                s,
+                &block[k * c..][..c],
+                &pivot,
+                &mut a[k],
+                &mut b[k],
+            );
         }
     }
     for px in blocks.remainder().chunks_exact(c) {
-        pixel_deviations(s, px, full, &pivot, &mut a[0], &mut b[0]);
+        pixel_deviations::<U, S, T, G, PARTIAL>(s, px, &pivot, &mut a[0], &mut b[0]);
     }
     for g in 0..G {
         let (mut u, mut v) = (a[0][g], b[0][g]);
@@ -763,23 +799,32 @@ fn deviation_sums_regs<
     }
 }
 
-/// One pixel of `G` vectors (`full` of them whole, then a partial one if `full < G`)
-/// into `a += x − pivot`, `b += (x − pivot)²`.
+/// One pixel of `G` vectors (all whole, or with `PARTIAL` the last one partial) into
+/// `a += x − pivot`, `b += (x − pivot)²`. The caller has checked that `px` holds the
+/// `G` vectors (`G − 1` whole ones with `PARTIAL`).
 #[inline(always)]
-fn pixel_deviations<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
+fn pixel_deviations<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const G: usize,
+    const PARTIAL: bool,
+>(
     s: S,
     px: &[T],
-    full: usize,
     pivot: &[S::V; G],
     a: &mut [S::V; G],
     b: &mut [S::V; G],
 ) {
-    let r = Reads::new(S::LANES, [px], px.len());
+    let (l, full) = (S::LANES, if PARTIAL { G - 1 } else { G });
+    debug_assert!(px.len() >= full * l && (PARTIAL || px.len() == G * l));
     for g in 0..G {
         let v = if g < full {
-            r.load(s, g)[0]
+            // SAFETY: `regs_loop` checked `c / l == full` for pixels of `c` elements:
+            // `(g + 1)·l <= full·l <= px.len()`.
+            unsafe { s.load_ptr(px.as_ptr().add(g * l)) }
         } else {
-            s.load_partial(&px[full * S::LANES..])
+            s.load_partial(&px[full * l..])
         };
         let d = s.sub(v, pivot[g]);
         a[g] = s.add(a[g], d);
