@@ -734,7 +734,7 @@ fn deviation_sums_regs<
     // Whether the last vector is partial, decided once: inside the loop a test per
     // vector (and a prefetch loop of C-dependent length per block) stayed in the
     // machine code (NHWC 64x112x112x64 f16, AVX-512).
-    if c % S::LANES == 0 {
+    if c.is_multiple_of(S::LANES) {
         regs_loop::<U, S, T, G, SETS, false>(s, tile, c, pivot, sums)
     } else {
         regs_loop::<U, S, T, G, SETS, true>(s, tile, c, pivot, sums)
@@ -760,7 +760,7 @@ fn regs_loop<
     let (l, zero) = (S::LANES, s.splat(U::ZERO));
     // Whole vectors a pixel: every load of `pixel_deviations` lies inside its pixel.
     let full = if PARTIAL { G - 1 } else { G };
-    assert!(c / l == full && c.div_ceil(l) == G && tile.len() % c == 0);
+    assert!(c / l == full && c.div_ceil(l) == G && tile.len().is_multiple_of(c));
     assert!(sum1.len() >= G * l && sum2.len() >= G * l);
     let pivot: [S::V; G] = std::array::from_fn(|g| pivot[g]);
     let (mut a, mut b) = ([[zero; G]; SETS], [[zero; G]; SETS]);
