@@ -654,10 +654,15 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
             let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
             let pf = q.as_ptr().wrapping_add(ahead);
             for g in 0..r.vectors().min(groups) {
-                // The four pixels are contiguous: the lines of the four vectors' worth
-                // of the quad at this step, in memory order.
-                s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
                 let [x0, x1, x2, x3] = r.load(s, g);
+                // The four pixels are contiguous: the lines of the four vectors' worth
+                // of the quad at this step, in memory order. After the loads in the
+                // source, and so in the machine code: with the hints ahead of them
+                // (LLVM's choice from ed7a85c on, with no change here) NHWC forward
+                // training of 64x56x56x256 with AVX-512 took 1.28-1.30 of a copy
+                // instead of 1.20-1.24 in f16, 1.41-1.42 instead of 1.35 in bf16
+                // (`scripts/ab.sh 3`, two runs); AVX2 moved within the noise.
+                s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
                 let p = pivot[g];
                 let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
                 let sq = s.mul_add(d1, d1, s.mul(d0, d0));
