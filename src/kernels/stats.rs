@@ -766,7 +766,6 @@ fn regs_loop<
     // Whole vectors a pixel: every load of `pixel_deviations` lies inside its pixel.
     let full = if PARTIAL { G - 1 } else { G };
     assert!(c / l == full && c.div_ceil(l) == G && tile.len().is_multiple_of(c));
-    assert!(sum1.len() >= G * l && sum2.len() >= G * l);
     let pivot: [S::V; G] = std::array::from_fn(|g| pivot[g]);
     let (mut a, mut b) = ([[zero; G]; SETS], [[zero; G]; SETS]);
     // x prefetched PREFETCH_BYTES ahead, one hint per line: on an Intel Xeon (AVX-512,
@@ -781,17 +780,14 @@ fn regs_loop<
     for block in &mut blocks {
         s.prefetch_lines(block.as_ptr().wrapping_add(ahead), block_len);
         for k in 0..SETS {
-            pixel_deviations::<U, S, T, G, PARTIAL>(
-                s,
-                &block[k * c..][..c],
-                &pivot,
-                &mut a[k],
-                &mut b[k],
-            );
+            let px = &block[k * c..][..c];
+            // SAFETY: a pixel of `c` elements, `c / l == full` (checked above).
+            unsafe { pixel_deviations::<U, S, T, G, PARTIAL>(s, px, &pivot, &mut a[k], &mut b[k]) };
         }
     }
     for px in blocks.remainder().chunks_exact(c) {
-        pixel_deviations::<U, S, T, G, PARTIAL>(s, px, &pivot, &mut a[0], &mut b[0]);
+        // SAFETY: as above.
+        unsafe { pixel_deviations::<U, S, T, G, PARTIAL>(s, px, &pivot, &mut a[0], &mut b[0]) };
     }
     for g in 0..G {
         let (mut u, mut v) = (a[0][g], b[0][g]);
@@ -805,10 +801,13 @@ fn regs_loop<
 }
 
 /// One pixel of `G` vectors (all whole, or with `PARTIAL` the last one partial) into
-/// `a += x − pivot`, `b += (x − pivot)²`. The caller has checked that `px` holds the
-/// `G` vectors (`G − 1` whole ones with `PARTIAL`).
+/// `a += x − pivot`, `b += (x − pivot)²`.
+///
+/// # Safety
+/// `px` holds the whole vectors: `px.len() >= (G − 1)·LANES` with `PARTIAL`, `>=
+/// G·LANES` without (the partial vector is loaded checked).
 #[inline(always)]
-fn pixel_deviations<
+unsafe fn pixel_deviations<
     U: Real,
     S: Simd<U>,
     T: Element<Stat = U>,
@@ -825,8 +824,7 @@ fn pixel_deviations<
     debug_assert!(px.len() >= full * l && (PARTIAL || px.len() == G * l));
     for g in 0..G {
         let v = if g < full {
-            // SAFETY: `regs_loop` checked `c / l == full` for pixels of `c` elements:
-            // `(g + 1)·l <= full·l <= px.len()`.
+            // SAFETY: `(g + 1)·l <= full·l <= px.len()` (the caller's guarantee).
             unsafe { s.load_ptr(px.as_ptr().add(g * l)) }
         } else {
             s.load_partial(&px[full * l..])
