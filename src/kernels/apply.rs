@@ -632,7 +632,12 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
             let (k0, k1) =
                 unsafe { (consts.load_unchecked(s, q), consts.load_unchecked(s, q + 1)) };
             let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
-            unsafe { w.store_pair_unchecked::<S, STREAM>(s, j0 + q, a, b) };
+            if STREAM {
+                // Aligned: streaming is asked for only after `Walk::aligned`.
+                unsafe { w.stream_pair_cl_unchecked(s, j0 + q, a, b) };
+            } else {
+                unsafe { w.store_pair_unchecked::<S, STREAM>(s, j0 + q, a, b) };
+            }
         }
         if m % 2 == 1 {
             let q = m - 1;

@@ -87,6 +87,24 @@ unsafe fn to_bf16x2(s: Avx512, a: __m512, b: __m512) -> __m512i {
     }
 }
 
+/// 32 bytes as two 16-byte non-temporal stores instead of one 32-byte store: the
+/// channels-last f16 passes that stream were faster so on a Zen 4 (AVX-512 on 256-bit
+/// units), from DRAM, 2 threads (`scripts/ab.sh 5`, NHWC forward inference f16, time ÷
+/// copy: 64x112x112x64 0.97 -> 0.87, 64x56x56x256 0.94 -> 0.84). The same stores were
+/// slower in the channel-major passes (f16 0.82 -> 0.89) and for bf16 (0.85 -> 0.92 to
+/// 0.98) in the same run, so only this path takes them.
+///
+/// # Safety
+/// 32 writable bytes at `p`, aligned to 16 bytes.
+#[inline(always)]
+unsafe fn stream_quarters(p: *mut __m128i, v: __m256i) {
+    // SAFETY: the caller's guarantee; both halves are inside the 32 bytes and aligned.
+    unsafe {
+        _mm_stream_si128(p, _mm256_castsi256_si128(v));
+        _mm_stream_si128(p.add(1), _mm256_extracti128_si256::<1>(v));
+    }
+}
+
 #[inline(always)]
 unsafe fn from_bf16(h: __m256i) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
@@ -217,6 +235,20 @@ impl Simd<f32> for Avx512 {
                     self.stream_ptr(p, a);
                     self.stream_ptr(p.add(L), b);
                 }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m512, b: __m512) {
+        // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to 16
+        // elements (32 or 64 bytes; the 16-byte quarters need less).
+        unsafe {
+            match T::DTYPE {
+                DType::F16 => {
+                    stream_quarters(p.cast(), _mm512_cvtps_ph::<RNE>(a));
+                    stream_quarters(p.add(L).cast(), _mm512_cvtps_ph::<RNE>(b));
+                }
+                _ => self.stream_pair_ptr(p, a, b),
             }
         }
     }

@@ -334,6 +334,17 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         // SAFETY: the caller's guarantee.
         unsafe { self.stream2_ptr(p, a, b) }
     }
+    /// As [`Simd::stream_pair_ptr`], for the channels-last elementwise passes, where
+    /// AVX-512 stores 16-bit f16 pairs as four 16-byte non-temporal stores
+    /// (`avx512::stream_quarters`).
+    ///
+    /// # Safety
+    /// As [`Simd::stream_pair_ptr`].
+    #[inline(always)]
+    unsafe fn stream_pair_cl_ptr<T: Element<Stat = U>>(self, p: *mut T, a: Self::V, b: Self::V) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.stream_pair_ptr(p, a, b) }
+    }
     /// Loads `LANES` elements (`src.len() >= LANES`).
     #[inline(always)]
     fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V {
@@ -692,6 +703,26 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     ) {
         // SAFETY: the caller's guarantee.
         unsafe { self.store_two_unchecked::<S, STREAM, true>(s, j, a, b) }
+    }
+
+    /// [`Walk::store_pair_unchecked`], streamed with [`Simd::stream_pair_cl_ptr`] (the
+    /// channels-last elementwise passes).
+    ///
+    /// # Safety
+    /// As [`Walk::store_pair_unchecked`], and the output is [`Walk::aligned`].
+    #[inline(always)]
+    pub unsafe fn stream_pair_cl_unchecked<S: Simd<T::Stat>>(
+        &mut self,
+        s: S,
+        j: usize,
+        a: S::V,
+        b: S::V,
+    ) {
+        debug_assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
+        debug_assert!(self.aligned());
+        // SAFETY: `(j + 2)·lanes <= len = out.len()` and the alignment (the caller's
+        // guarantee); the output is borrowed mutably for the life of `self`.
+        unsafe { s.stream_pair_cl_ptr(self.out.add(j * self.reads.lanes), a, b) }
     }
 
     /// [`Walk::store_two`] without its check.
