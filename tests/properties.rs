@@ -448,3 +448,68 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
         }
     }
 }
+
+/// bf16 channels-last outputs that stream are aligned to a whole 64-byte line with
+/// AVX-512 (`Simd::cl_stream_align`: a head of up to 31 elements, then one 64-byte
+/// store a pair where a pair is a line, two 32-byte ones where an odd period of vectors
+/// leaves it half a line off): the reference's values in every mode, and the same bits
+/// wherever `y` starts. C = 9 (a period of 9 vectors: every other pair off the line)
+/// and C = 64. 52 MB a tensor: streamed on every machine.
+#[test]
+fn streamed_bf16_outputs_match_reference_and_ignore_alignment() {
+    use half::bf16;
+    for s in [[32usize, 300, 300, 9], [16, 160, 160, 64]] {
+        let (f, c) = (DataFormat::Nhwc, s[3]);
+        let d = data((f, s.to_vec()), DType::BF16, Fill::default(), 7, 1e-3, 1.0);
+        check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        let case = Case::new(Op::FusedBatchNormV3, f, &s, DType::BF16)
+            .unwrap()
+            .seed(7);
+        let inputs = case.inputs().unwrap();
+        let find = |name: &str| &inputs.iter().find(|(n, _)| *n == name).unwrap().1;
+        let x = find("x").as_slice::<bf16>().unwrap();
+        let (scale, offset) = (slice(&inputs, "scale"), slice(&inputs, "offset"));
+        for isa in Isa::supported() {
+            let p = case.problem().unwrap().with_isa(isa).unwrap();
+            let n = p.len();
+            let run = |o: usize| {
+                let mut y = vec![bf16::ZERO; n + o];
+                let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+                let training = Forward::Training(TrainingStats {
+                    saved: SavedStats {
+                        mean: &mut mu,
+                        variance: &mut var,
+                    },
+                    running: None,
+                });
+                p.forward(
+                    x,
+                    Affine { scale, offset },
+                    training,
+                    Epilogue::plain(),
+                    &mut y[o..],
+                )
+                .unwrap();
+                let mut yi = vec![bf16::ZERO; n + o];
+                let inference = Forward::Inference(Statistics {
+                    mean: &mu,
+                    variance: &var,
+                });
+                p.forward(
+                    x,
+                    Affine { scale, offset },
+                    inference,
+                    Epilogue::plain(),
+                    &mut yi[o..],
+                )
+                .unwrap();
+                let bits = |v: &[bf16]| v.iter().map(|e| e.to_bits()).collect::<Vec<u16>>();
+                (bits(&y[o..]), bits(&yi[o..]), mu, var)
+            };
+            let base = run(0);
+            for o in [1, 9, 16, 17, 31] {
+                assert!(run(o) == base, "{s:?} {isa}: offset {o} changes the result");
+            }
+        }
+    }
+}

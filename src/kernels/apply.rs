@@ -171,7 +171,7 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             let period = lcm(c, l);
             let period = period * (128 / period).max(1);
             if period <= MAX_PERIOD {
-                let head = head_len(self.out, l, self.stream);
+                let head = head_len(self.out, s.cl_stream_align::<T>(), self.stream);
                 let pairs = s.pair_even_odd::<T>();
                 let pattern = Pattern::new(self.consts, c, period, head, l, pairs);
                 periodic(s, &pattern, self.ins, self.out, self.stream, &self.f);
@@ -215,7 +215,8 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
     }
 }
 
-/// Elements before the first aligned full vector of `out` (0 when not streaming).
+/// Elements before the first full vector of `out` aligned to `lanes` elements (0 when
+/// not streaming).
 #[inline(always)]
 pub(crate) fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
     if stream {
@@ -518,10 +519,14 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let (l, head) = (S::LANES, pattern.head.min(out.len()));
     let (values, head_values) = (pattern.values(), pattern.head_values());
     let single = pattern.single();
-    if head > 0 {
-        let k = load_partial_n(s, &head_values, 0, head);
-        let v = f.eval(s, load_partial_n(s, &ins, 0, head), k);
-        s.store_partial(&mut out[..head], v);
+    // The head: under `Simd::cl_stream_align` elements, so up to a few vectors.
+    let mut h0 = 0;
+    while h0 < head {
+        let n = (head - h0).min(l);
+        let k = load_partial_n(s, &head_values, h0, n);
+        let v = f.eval(s, load_partial_n(s, &ins, h0, n), k);
+        s.store_partial(&mut out[h0..h0 + n], v);
+        h0 += n;
     }
     let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);

@@ -248,8 +248,22 @@ impl Simd<f32> for Avx512 {
                     stream_quarters(p.cast(), _mm512_cvtps_ph::<RNE>(a));
                     stream_quarters(p.add(L).cast(), _mm512_cvtps_ph::<RNE>(b));
                 }
+                // One 64-byte store where the pair is a whole line (`cl_stream_align`
+                // aligns the first; an odd period of vectors misaligns every other).
+                DType::BF16 if (p as usize).is_multiple_of(64) => {
+                    _mm512_stream_si512(p.cast(), to_bf16x2(self, a, b))
+                }
                 _ => self.stream_pair_ptr(p, a, b),
             }
+        }
+    }
+    #[inline(always)]
+    fn cl_stream_align<T: Element<Stat = f32>>(self) -> usize {
+        // bf16: a line (see `stream_pair_cl_ptr`).
+        if T::DTYPE == DType::BF16 {
+            2 * L
+        } else {
+            L
         }
     }
     #[inline(always)]

@@ -297,6 +297,13 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         let _ = consts;
         self
     }
+    /// The alignment, in elements of `T`, that the channels-last elementwise passes
+    /// give a streamed output before their first whole vector: `LANES` (what the
+    /// non-temporal stores need), or more where a wider store is faster.
+    #[inline(always)]
+    fn cl_stream_align<T: Element<Stat = U>>(self) -> usize {
+        Self::LANES
+    }
     /// Whether [`Simd::load_pair_ptr`] splits a pair of `2·LANES` elements of `T` into
     /// its even and odd elements (`a` = elements 0, 2, 4, …; `b` = 1, 3, 5, …) rather
     /// than into halves: the cheaper order where a conversion works on 32-bit pairs
