@@ -241,7 +241,8 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m512, b: __m512) {
         // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to 16
-        // elements (32 or 64 bytes; the 16-byte quarters need less).
+        // elements (32 or 64 bytes; the 16-byte quarters need less); the 64-byte store
+        // is taken only where `p` is tested to be 64-byte aligned.
         unsafe {
             match T::DTYPE {
                 DType::F16 => {

@@ -342,8 +342,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         unsafe { self.stream2_ptr(p, a, b) }
     }
     /// As [`Simd::stream_pair_ptr`], for the channels-last elementwise passes, where
-    /// AVX-512 stores 16-bit f16 pairs as four 16-byte non-temporal stores
-    /// (`avx512::stream_quarters`).
+    /// AVX-512 stores f16 pairs as four 16-byte non-temporal stores
+    /// (`avx512::stream_quarters`) and bf16 pairs that start a 64-byte line as one
+    /// 64-byte store ([`Simd::cl_stream_align`]).
     ///
     /// # Safety
     /// As [`Simd::stream_pair_ptr`].
