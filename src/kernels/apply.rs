@@ -166,9 +166,15 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
                 s
             };
             let c = g.channels;
-            // The pattern's period: lcm(C, lanes), repeated to at least 128 elements so
-            // the loop over one period is not too short.
-            let period = lcm(c, l);
+            // The pattern's period: lcm(C, 2·lanes), a whole number of pairs, repeated
+            // to at least 128 elements so the loop over one period is not too short.
+            // With lcm(C, lanes) an odd number of vectors (C = 200 or 208 with 16
+            // lanes, 200 with 8) left one vector a period stored on its own, and every
+            // other pair off the line a streamed pair starts on.
+            let period = match lcm(c, 2 * l) {
+                even if even <= MAX_PERIOD => even,
+                _ => lcm(c, l),
+            };
             let period = period * (128 / period).max(1);
             if period <= MAX_PERIOD {
                 let head = head_len(self.out, s.cl_stream_align::<T>(), self.stream);
