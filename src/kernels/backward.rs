@@ -675,6 +675,12 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
     }
     let (at, n) = r[0].tail();
     if n > 0 {
+        if PF {
+            // The quad's last line(s), as in the statistics' four-pixel loop.
+            for i in &p0 {
+                s.prefetch_lines(i.as_ptr().wrapping_add(ahead + 4 * at), 4 * n);
+            }
+        }
         let g = at / l;
         let [m, _] = consts.load(s, g);
         for p in [&p0, &p1, &p2, &p3] {

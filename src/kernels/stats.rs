@@ -671,6 +671,11 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
                 b[g] = s.add(b[g], sq);
             }
             if full < groups {
+                // The quad's last line(s): the whole vectors' hints above cover
+                // `4·full·L` elements of the `4·C`, and a line left to a demand miss
+                // once a quad (C = 200 f16 with AVX-512: one of 25) cost the pass a
+                // third of its time.
+                s.prefetch_lines(pf.wrapping_add(4 * full * l), 4 * (c - full * l));
                 for k in 0..4 {
                     let d = s.sub(
                         s.load_partial(&q[k * c + full * l..][..c - full * l]),
