@@ -741,6 +741,12 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // then not streamed at all (32-byte vectors in a buffer aligned to 16); streamed
     // (`tile_out_rotated`), bf16 64x56x56x256 0.92 -> 0.83, f16 0.91 -> 0.81.
     let ahead_dx = stream;
+    // Whole pixels streamed only where every pixel is whole vectors: with a partial last
+    // vector a pixel's tail (an ordinary masked store) and the next pixel's stores share
+    // a line with its non-temporal ones, and such mixed lines cost NHWC backward
+    // inference of 655360x24 f16 with AVX-512 (one whole vector and a tail a pixel)
+    // 15 times its copy, 64x72 (AVX-512) 4.8, 64x1000 1.7 (Zen 4, `fusedbn bench`).
+    let stream_px = stream && c.is_multiple_of(l);
     let ahead = STREAM_AHEAD_BYTES / size;
     let len = ins[0].len();
     let mut t0 = 0;
@@ -792,7 +798,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
-                        if stream && w.aligned() {
+                        if stream_px && w.aligned() {
                             pixel_out::<U, S, T, N, true>(s, &mut w, &consts, &mut a, &mut b);
                         } else {
                             pixel_out::<U, S, T, N, false>(s, &mut w, &consts, &mut a, &mut b);
