@@ -171,8 +171,11 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             // With lcm(C, lanes) an odd number of vectors (C = 200 or 208 with 16
             // lanes, 200 with 8) left one vector a period stored on its own, and every
             // other pair off the line a streamed pair starts on.
+            // Not where the doubled period's constants would outgrow
+            // [`PAIR_PERIOD_CONST_BYTES`].
+            let pairs_fit = |p: usize| p * K * size_of::<T::Stat>() <= PAIR_PERIOD_CONST_BYTES;
             let period = match lcm(c, 2 * l) {
-                even if even <= MAX_PERIOD => even,
+                even if even <= MAX_PERIOD && pairs_fit(even) => even,
                 _ => lcm(c, l),
             };
             let period = period * (128 / period).max(1);
@@ -658,6 +661,14 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
         j0 += m;
     }
 }
+
+/// The most bytes of constants a period of lcm(C, 2·lanes) may take; above it the
+/// period stays lcm(C, lanes) even when that is an odd number of vectors. At C = 1000
+/// with AVX-512 (16-bit, three constants) the doubled period's 48 KiB, past the 32 KiB
+/// L1, made NHWC 16384x1x1x1000 slower (Zen 4, `scripts/ab.sh 7`, time ÷ copy: f16
+/// forward inference 0.95 -> 1.10, bf16 forward training 1.55 -> 1.90), where C = 200
+/// (9.6 KiB) and C = 264 (12.4 KiB) gained.
+const PAIR_PERIOD_CONST_BYTES: usize = 16 << 10;
 
 /// The fewest bytes of constants per period for which [`periodic_body`] runs four
 /// periods at a time. Measured (Zen 4, 32 KiB L1, f32 forward inference, three
