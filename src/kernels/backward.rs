@@ -744,8 +744,9 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // Whole pixels streamed only where every pixel is whole vectors: with a partial last
     // vector a pixel's tail (an ordinary masked store) and the next pixel's stores share
     // a line with its non-temporal ones, and such mixed lines cost NHWC backward
-    // inference of 655360x24 f16 with AVX-512 (one whole vector and a tail a pixel)
-    // 15 times its copy, 64x72 (AVX-512) 4.8, 64x1000 1.7 (Zen 4, `fusedbn bench`).
+    // inference of 655360x1x1x24 f16 with AVX-512 (one whole vector and a tail a
+    // pixel) 12.4-12.8 times its copy, 262144x1x1x72 4.6-4.8; 1.9 and 1.27-1.29 with
+    // ordinary stores (Zen 4, `scripts/ab.sh 3`).
     let stream_px = stream && c.is_multiple_of(l);
     let ahead = STREAM_AHEAD_BYTES / size;
     let len = ins[0].len();
