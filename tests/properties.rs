@@ -453,12 +453,18 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
 /// AVX-512 (`Simd::cl_stream_align`: a head of up to 31 elements, then one 64-byte
 /// store a pair where a pair is a line, two 32-byte ones where an odd period of vectors
 /// leaves it half a line off): the reference's values in every mode, and the same bits
-/// wherever `y` starts. C = 9 (a period of 9 vectors: every other pair off the line)
-/// and C = 64. 52 MB a tensor: streamed on every machine.
+/// wherever `y` starts. C = 9 (a period of 18 vectors with AVX-512, lcm(C, 2·lanes)),
+/// C = 64, and C = 1000, whose doubled period's constants are too large
+/// (`apply::PAIR_PERIOD_CONST_BYTES`): a period of 125 vectors, every other pair off the
+/// line. 52 MB a tensor: streamed on every machine.
 #[test]
 fn streamed_bf16_outputs_match_reference_and_ignore_alignment() {
     use half::bf16;
-    for s in [[32usize, 300, 300, 9], [16, 160, 160, 64]] {
+    for s in [
+        [32usize, 300, 300, 9],
+        [16, 160, 160, 64],
+        [2, 130, 100, 1000],
+    ] {
         let (f, c) = (DataFormat::Nhwc, s[3]);
         let d = data((f, s.to_vec()), DType::BF16, Fill::default(), 7, 1e-3, 1.0);
         check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{s:?}: {e}"));

@@ -667,7 +667,7 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
 /// with AVX-512 (16-bit, three constants) the doubled period's 48 KiB, past the 32 KiB
 /// L1, made NHWC 16384x1x1x1000 slower (Zen 4, `scripts/ab.sh 7`, time ÷ copy: f16
 /// forward inference 0.95 -> 1.10, bf16 forward training 1.55 -> 1.90), where C = 200
-/// (9.6 KiB) and C = 264 (12.4 KiB) gained.
+/// (9.4 KiB) and C = 264 (12.4 KiB) gained.
 const PAIR_PERIOD_CONST_BYTES: usize = 16 << 10;
 
 /// The fewest bytes of constants per period for which [`periodic_body`] runs four
