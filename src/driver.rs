@@ -15,9 +15,11 @@
 //!
 //! An output value `got` passes against the reference `want` when
 //!
-//! `|got − want| ≤ rel · scale + 2 · eps(T) · |want|`
+//! `|got − want| ≤ rel · scale + 2 · eps(T) · max(|want|, tiny(T))`
 //!
-//! where `T` is the output's element type (one rounding of T may separate the two),
+//! where `T` is the output's element type (one rounding of T may separate the two;
+//! `tiny(T)`, its smallest normal number, keeps that allowance at the spacing of T's
+//! subnormals, where a rounding's error no longer shrinks with the value),
 //! `rel` is `1e-4` when the statistics are `f32` (SPEC §7) and `1e-8` for `f64`, and
 //! `scale` is the size of the terms the result is computed from, per output: the
 //! largest `|want|`, or larger where the result is a difference of larger terms — the
@@ -915,6 +917,7 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
             )));
         }
         let ulp = 2.0 * got.dtype().epsilon();
+        let tiny = smallest_normal(got.dtype());
         let mut a = Agreement {
             name: e.name,
             compared: 0,
@@ -958,7 +961,7 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
                 if err == 0.0 {
                     continue;
                 }
-                let tol = rel * e.scale + ulp * w.abs() + e.floor;
+                let tol = rel * e.scale + ulp * w.abs().max(tiny) + e.floor;
                 let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
                 a.worst = a.worst.max(ratio);
                 if e.scale > 0.0 {
@@ -966,7 +969,7 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
                 }
                 if ratio.is_nan() || ratio > 1.0 {
                     return Err(fail(format!(
-                        "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·|expected| + {:.3e})",
+                        "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·max(|expected|, {tiny:e}) + {:.3e})",
                         e.scale, e.floor
                     )));
                 }
@@ -975,6 +978,18 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
         report.outputs.push(a);
     }
     Ok(report)
+}
+
+/// The smallest positive normal number of `d`: below it the spacing of `d` is fixed
+/// (`2 · eps · tiny`), so one rounding may cost that much however small the value.
+/// (An f16 `x_backprop` of 1.016e-5 is stored to a step of 2^-24 = 6e-8.)
+fn smallest_normal(d: DType) -> f64 {
+    match d {
+        DType::F16 => 2f64.powi(-14),
+        DType::BF16 => 2f64.powi(-126),
+        DType::F32 => f64::from(f32::MIN_POSITIVE),
+        DType::F64 => f64::MIN_POSITIVE,
+    }
 }
 
 fn round_to(d: DType, v: f64) -> f64 {
