@@ -8,8 +8,8 @@
 use super::apply::{elementwise, head_len, VectorFn, STREAM_AHEAD_BYTES};
 use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{
-    channel_tiles, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace,
-    PixelSplit, PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, pixels_per_tile, short_period, ChannelMajorSplit, ChannelTask, Geometry, NoPace,
+    Pace, PixelSplit, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -561,22 +561,32 @@ fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
     [on, s.sub(s.splat(U::from_f64(1.0)), on)]
 }
 
-/// One tile of whole pixels of `c` channels (a multiple of the lanes) whose output
-/// starts `h` elements (`0 < h < LANES`) before a vector boundary, with `dx` streamed:
-/// its first `h` elements, then whole aligned vectors, each `c / LANES` of them a
-/// period whose group `g` holds channels `(h + g·LANES + i) mod c` (`consts` rotated
-/// so), then the last `LANES − h`. The last group straddles two pixels: the tile's
-/// first `h` channels go in its upper lanes, the last pixel's last `LANES − h` in its
-/// lower lanes. Each channel is still summed in one lane, pixel after pixel, so the
-/// sums have the bits of the pixel-by-pixel walk; only the lanes are rotated.
-/// Without it a vector-misaligned `dx` (a `Vec` of `f32` from the system allocator is
-/// aligned to 16 bytes) was written with ordinary stores.
+/// One tile of whole pixels of `c` channels walked as one run of vectors in periods of
+/// `per = consts.vectors()`: group `g` of a period holds channels `(h + g·LANES + i) mod
+/// c` (`consts` expanded so by [`PeriodConsts`]), the run starting `h` elements
+/// (`0 ≤ h < LANES`) into the tile. Its first `h` elements go in the upper lanes of the
+/// last group (the tile's first `h` channels), and what is left after the whole vectors
+/// in the lower lanes of the group it falls in. Lane `j` of the sums `a`, `b` (`per`
+/// groups) adds, in order, the elements at `(h + j) mod (per·LANES)` of the tile (all of
+/// one channel): the same sums, lane for lane, whatever `h` ([`PeriodConsts::lane_of`]).
+///
+/// Two uses:
+/// - `C` a multiple of the lanes with a streamed `dx` that starts `h > 0` elements
+///   before a vector boundary (`per = C / LANES`): each channel is summed in one lane,
+///   pixel after pixel, as in the pixel-by-pixel walk, so the sums have its bits; only
+///   the lanes are rotated. Without it a vector-misaligned `dx` (a `Vec` of `f32` from
+///   the system allocator is aligned to 16 bytes) was written with ordinary stores.
+/// - `C` not a multiple of the lanes with a short period (`C < LANES` in particular):
+///   a pixel by pixel walk took one masked vector a pixel (two of three lanes idle at
+///   C = 3 with AVX2) and one chain of additions, and cost NHWC backward inference
+///   of 3145728x1x1x2 f32 5.3–7.1 times its copy (Zen 4). With `dx` streamed, `h`
+///   aligns its stores; otherwise `h = 0`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn tile_out_rotated<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
     s: S,
     ins: [&[T]; N],
-    out: &mut [T],
+    mut out: Option<&mut [T]>,
     h: usize,
     consts: &Reads<'_, U, 2>,
     ahead: Option<usize>,
@@ -585,41 +595,97 @@ fn tile_out_rotated<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
 ) {
     let l = S::LANES;
     let per = consts.vectors();
+    let len = ins[0].len();
+    debug_assert!(h < l && h + l <= len && (STREAM || h == 0));
+    debug_assert!(out.as_ref().is_none_or(|o| o.len() == len));
     let last = per - 1;
-    debug_assert!(0 < h && h < l && out.len().is_multiple_of(per * l));
-    let [mv, kv] = consts.load(s, last);
-    // The tile's first h elements: the upper lanes of the last group (rotated there in
-    // registers: through a stack buffer, the reload waits behind the streamed stores).
-    {
+    if h > 0 {
+        // The tile's first h elements: the upper lanes of the last group (rotated there
+        // in registers: through a stack buffer, the reload waits behind the streamed
+        // stores).
+        let [mv, kv] = consts.load(s, last);
         let mut v = load_partial_n(s, &ins, 0, h);
         for x in v.iter_mut() {
             *x = s.rotate_lanes(*x, h);
         }
         let d = fold_where(s, &v, mv, lanes_on(s, l - h, l), &mut a[last], &mut b[last]);
-        s.store_partial(&mut out[..h], s.rotate_lanes(s.mul(d, kv), l - h));
-    }
-    let body = out.len() - l;
-    let (ins_b, out_b) = (sub_n(&ins, h, Some(body)), &mut out[h..h + body]);
-    {
-        let mut w = Walk::new(l, ins_b, out_b);
-        debug_assert!(w.aligned());
-        let total = w.vectors();
-        let mut j0 = 0;
-        while j0 < total {
-            if let Some(ahead) = ahead {
-                // From DRAM: every input prefetched ahead, one hint per line.
-                w.reads.prefetch_ahead(s, j0, ahead, per * l);
-            }
-            let m = per.min(total - j0);
-            period_out::<U, S, T, N, true>(s, &mut w, j0, m, consts, a, b);
-            j0 += m;
+        if let Some(o) = out.as_deref_mut() {
+            s.store_partial(&mut o[..h], s.rotate_lanes(s.mul(d, kv), l - h));
         }
     }
-    // The last pixel's last l − h elements: the lower lanes of the last group.
-    let (at, n) = (h + body, l - h);
-    let v = load_partial_n(s, &ins, at, n);
-    let d = fold_where(s, &v, mv, lanes_on(s, 0, n), &mut a[last], &mut b[last]);
-    s.store_partial(&mut out[at..at + n], s.mul(d, kv));
+    let body = (len - h) / l * l;
+    let ins_b = sub_n(&ins, h, Some(body));
+    let total = body / l;
+    match out.as_deref_mut() {
+        Some(o) => {
+            let mut w = Walk::new(l, ins_b, &mut o[h..h + body]);
+            debug_assert!(!STREAM || w.aligned());
+            let mut j0 = 0;
+            while j0 < total {
+                if let Some(ahead) = ahead {
+                    // From DRAM: every input prefetched ahead, one hint per line.
+                    w.reads.prefetch_ahead(s, j0, ahead, per * l);
+                }
+                let m = per.min(total - j0);
+                period_out::<U, S, T, N, STREAM>(s, &mut w, j0, m, consts, a, b);
+                j0 += m;
+            }
+        }
+        None => {
+            let r = Reads::new(l, ins_b, body);
+            let mut j0 = 0;
+            while j0 < total {
+                let m = per.min(total - j0);
+                for g in 0..m {
+                    let [mv, _] = consts.load(s, g);
+                    fold(s, &r.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
+                }
+                j0 += m;
+            }
+        }
+    }
+    // What is left (fewer than LANES elements): the lower lanes of its group.
+    let (at, n) = (h + body, len - h - body);
+    if n > 0 {
+        let g = total % per;
+        let [mv, kv] = consts.load(s, g);
+        let v = load_partial_n(s, &ins, at, n);
+        let d = fold_where(s, &v, mv, lanes_on(s, 0, n), &mut a[g], &mut b[g]);
+        if let Some(o) = out {
+            s.store_partial(&mut o[at..at + n], s.mul(d, kv));
+        }
+    }
+}
+
+/// The mean (and `k1`) of [`tile_periodic`]'s lanes: lane `j` of a period of `per`
+/// vectors holds channel `(h + j) mod C`.
+struct PeriodConsts<U> {
+    h: usize,
+    per: usize,
+    mean: Vec<U>,
+    k1: Vec<U>,
+}
+
+impl<U: Copy> PeriodConsts<U> {
+    /// The constants of a period of `per` vectors of `lanes` from channel `h`.
+    fn new(h: usize, per: usize, lanes: usize, mean: &[U], k1: Option<&[U]>) -> Self {
+        let c = mean.len();
+        let expand = |v: &[U]| (0..per * lanes).map(|j| v[(h + j) % c]).collect::<Vec<U>>();
+        PeriodConsts {
+            h,
+            per,
+            mean: expand(mean),
+            k1: k1.map_or_else(|| expand(mean), expand),
+        }
+    }
+
+    /// The lane that holds the elements at `r` modulo the period's `per·LANES` (of
+    /// channel `r mod c`): `(r − h) mod (per·LANES)`.
+    #[inline(always)]
+    fn lane_of(&self, r: usize) -> usize {
+        let w = self.mean.len();
+        (r + w - self.h) % w
+    }
 }
 
 /// The sums over the four pixels of `ins` from `p0` (`c` channels each): one update of
@@ -711,35 +777,24 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let mean_p = padded(mean);
     let k1_p = padded(dx.as_ref().map_or(&[][..], |d| d.1));
     let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
-    let (mut a, mut b) = (vec![zero; groups], vec![zero; groups]);
-    let mut lanes = vec![U::ZERO; 2 * groups * l];
     let tile = pixels_per_tile(c) * c;
-    // A streamed dx whose pixels all start `h` elements before a vector boundary
-    // (`tile_out_rotated`): the constants rotated by `h` channels.
     let size = std::mem::size_of::<T>();
-    let rotate = match &dx {
-        Some((out, _)) if stream && c.is_multiple_of(l) => {
-            let h = out.as_ptr().align_offset(l * size);
-            (0 < h && h < l).then_some(h)
-        }
-        _ => None,
-    };
-    let rotated = |v: &[U]| -> Vec<U> {
-        let h = rotate.unwrap_or(0);
-        (0..c).map(|j| v[(h + j) % c]).collect()
-    };
-    let (mean_r, k1_r) = match (rotate, &dx) {
-        (Some(_), Some((_, k1))) => (rotated(mean), rotated(k1)),
-        _ => (Vec::new(), Vec::new()),
-    };
-    let consts_r = Reads::new(l, [&mean_r[..], &k1_r[..]], mean_r.len());
+    // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
+    // of the lanes with a short period; C a multiple of the lanes where a streamed dx
+    // starts off a vector boundary (the constants rotated by the `h` channels before it).
+    let short = short_period(c, l);
+    let period = short.or((stream && dx.is_some()).then_some(groups));
+    let width = groups.max(period.unwrap_or(0));
+    let (mut a, mut b) = (vec![zero; width], vec![zero; width]);
+    let mut lanes = vec![U::ZERO; 2 * width * l];
+    let mut pc: Option<PeriodConsts<U>> = None;
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,
     // time ÷ copy): f32 64x56x56x256 1.17 -> 1.09 with AVX-512 and 1.10 -> 1.01 with
     // AVX2, bf16 1.07 -> 0.82 and f16 0.91 -> 0.77 with AVX2 (64x112x112x64 alike).
     // With AVX-512 the 16-bit types once went 1.10 -> 1.27 with it, but their dx was
     // then not streamed at all (32-byte vectors in a buffer aligned to 16); streamed
-    // (`tile_out_rotated`), bf16 64x56x56x256 0.92 -> 0.83, f16 0.91 -> 0.81.
+    // (`tile_periodic`), bf16 64x56x56x256 0.92 -> 0.83, f16 0.91 -> 0.81.
     let ahead_dx = stream;
     // Whole pixels streamed only where every pixel is whole vectors: with a partial last
     // vector a pixel's tail (an ordinary masked store) and the next pixel's stores share
@@ -756,11 +811,40 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         a.fill(zero);
         b.fill(zero);
         let mut q0 = t0;
-        if let (Some(h), Some((out, _))) = (rotate, dx.as_mut()) {
-            let ins_t = sub_n(&ins, t0, Some(t1 - t0));
-            let pf = ahead_dx.then_some(ahead);
-            tile_out_rotated(s, ins_t, &mut out[t0..t1], h, &consts_r, pf, &mut a, &mut b);
-            q0 = t1;
+        // The period constants of this tile, where it is walked as a periodic run.
+        let mut periodic = None;
+        if let Some(per) = period {
+            let n = t1 - t0;
+            // A streamed dx: the run starts where dx reaches a vector boundary.
+            let h = match dx.as_ref() {
+                Some((out, _)) if stream => out[t0..].as_ptr().align_offset(l * size),
+                _ => 0,
+            };
+            if (short.is_some() || h > 0) && h < l && h + l <= n {
+                let p = pc.take().filter(|p| p.h == h).unwrap_or_else(|| {
+                    PeriodConsts::new(h, per, l, mean, dx.as_ref().map(|d| d.1))
+                });
+                let consts_p = Reads::new(l, [&p.mean[..], &p.k1[..]], per * l);
+                let ins_t = sub_n(&ins, t0, Some(n));
+                let (pa, pb) = (&mut a[..per], &mut b[..per]);
+                match dx.as_mut() {
+                    Some((out, _)) if stream => {
+                        let (o, pf) = (Some(&mut out[t0..t1]), ahead_dx.then_some(ahead));
+                        tile_periodic::<U, S, T, N, true>(s, ins_t, o, h, &consts_p, pf, pa, pb);
+                    }
+                    Some((out, _)) => {
+                        let o = Some(&mut out[t0..t1]);
+                        tile_periodic::<U, S, T, N, false>(s, ins_t, o, 0, &consts_p, None, pa, pb);
+                    }
+                    None => {
+                        tile_periodic::<U, S, T, N, false>(
+                            s, ins_t, None, 0, &consts_p, None, pa, pb,
+                        );
+                    }
+                }
+                q0 = t1;
+                periodic = Some(p);
+            }
         }
         if dx.is_none() && quads != Quads::No {
             while q0 + 4 * c <= t1 {
@@ -816,18 +900,32 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                 }
             }
         }
-        let (la, lb) = lanes.split_at_mut(groups * l);
-        for gi in 0..groups {
+        let used = periodic.as_ref().map_or(groups, |p| p.per);
+        let (la, lb) = lanes.split_at_mut(used * l);
+        for gi in 0..used {
             s.store(&mut la[gi * l..], a[gi]);
             s.store(&mut lb[gi * l..], b[gi]);
         }
-        // Lane j holds channel (h + j) mod c (rotated tiles; h = 0 otherwise).
-        let h = rotate.unwrap_or(0);
-        for j in 0..c {
-            let ch = if j + h < c { j + h } else { j + h - c };
-            sums.sum_dy[ch] += la[j].to_f64();
-            sums.sum_dy_xc[ch] += lb[j].to_f64();
+        match &periodic {
+            // Lane j holds the elements at `(h + j) mod w` of every w = per·LANES, in
+            // order: folded by that residue, so that the bits do not depend on h (on
+            // where dx lies in memory).
+            Some(p) => {
+                let w = used * l;
+                for r in 0..w {
+                    let j = p.lane_of(r);
+                    sums.sum_dy[r % c] += la[j].to_f64();
+                    sums.sum_dy_xc[r % c] += lb[j].to_f64();
+                }
+            }
+            None => {
+                for j in 0..c {
+                    sums.sum_dy[j] += la[j].to_f64();
+                    sums.sum_dy_xc[j] += lb[j].to_f64();
+                }
+            }
         }
+        pc = periodic.or(pc);
         t0 = t1;
     }
 }
@@ -928,12 +1026,15 @@ mod tests {
     }
 
     /// A streamed `dx` that is not aligned to whole vectors takes the rotated walk
-    /// (`tile_out_rotated`): every offset from the vector boundary, several tiles and a
-    /// short last one, with and without the ReLU mask, an infinite mean and a NaN in x
-    /// gives the bits of the ordinary-store walk, `dx` and sums alike.
+    /// (`tile_periodic`), and so does every C with a short period: every offset from
+    /// the vector boundary, several tiles and a short last one, with and without the
+    /// ReLU mask, an infinite mean and a NaN in x gives the bits of the ordinary-store
+    /// walk at offset 0, `dx` and sums alike.
     fn rotated_matches_plain<T: Element>() {
         for isa in Isa::supported() {
-            for c in [16usize, 32, 48, 64] {
+            // Multiples of the lanes (one lane a channel), and short periods (several
+            // lanes a channel, folded by residue whatever the offset).
+            for c in [16usize, 32, 48, 64, 1, 2, 3, 5, 6, 7, 9, 12, 24, 40] {
                 let pixels = 2 * pixels_per_tile(c) + 37;
                 let n = pixels * c;
                 let val = |i: usize, k: u64| {

@@ -565,6 +565,30 @@ pub(crate) fn pixels_per_tile(c: usize) -> usize {
     (CL_TILE / c.max(1)).clamp(64, 1024)
 }
 
+/// Longest period (in vectors) of a channels-last run walked periodically when C is not
+/// a multiple of the lanes (`C / gcd(C, LANES)`): its constants and sums are a few
+/// times that many vectors, in L1.
+const PERIOD_MAX_VECTORS: usize = 16;
+
+/// The period in vectors of a channels-last reduction over `c` channels walked as one
+/// run of vectors of `l` lanes, lane `j` of the period holding channel `j mod c`
+/// (`backward::tile_periodic`), where `c` is not a multiple of `l`: `lcm(c, l) / l`,
+/// repeated up to at least four vectors (four independent chains of additions); `None`
+/// past [`PERIOD_MAX_VECTORS`] or for `c` a multiple of `l` (a pixel is whole vectors).
+/// Each lane sums at most [`pixels_per_tile`]` · c / (per · l) ≤ 1024` values of a tile.
+///
+/// The statistics do not take it: the same walk there (accumulators in memory, not in
+/// registers as `stats::deviation_sums_regs` keeps them) made NHWC forward training
+/// slower at C = 5, 12, 24, 40 and faster only at C = 2, 3, 6 (Zen 4, `scripts/ab.sh 3`,
+/// 2026-11-27).
+pub(crate) fn short_period(c: usize, l: usize) -> Option<usize> {
+    if c == 0 || l == 0 || c.is_multiple_of(l) {
+        return None;
+    }
+    let p = apply::lcm(c, l) / l;
+    (p <= PERIOD_MAX_VECTORS).then(|| p * 4usize.div_ceil(p))
+}
+
 /// The fixed split of a channels-last reduction (statistics, gradient sums, second-order
 /// sums) into tasks of whole tiles of whole pixels: the one place that says which
 /// elements a task covers.
