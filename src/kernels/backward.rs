@@ -783,7 +783,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // of the lanes with a short period; C a multiple of the lanes where a streamed dx
     // starts off a vector boundary (the constants rotated by the `h` channels before it).
     let short = short_period(c, l);
-    let period = short.or((stream && dx.is_some()).then_some(groups));
+    let rotated = stream && dx.is_some() && c.is_multiple_of(l);
+    let period = short.or(rotated.then_some(groups));
     let width = groups.max(period.unwrap_or(0));
     let (mut a, mut b) = (vec![zero; width], vec![zero; width]);
     let mut lanes = vec![U::ZERO; 2 * width * l];
@@ -1032,9 +1033,11 @@ mod tests {
     /// walk at offset 0, `dx` and sums alike.
     fn rotated_matches_plain<T: Element>() {
         for isa in Isa::supported() {
-            // Multiples of the lanes (one lane a channel), and short periods (several
-            // lanes a channel, folded by residue whatever the offset).
-            for c in [16usize, 32, 48, 64, 1, 2, 3, 5, 6, 7, 9, 12, 24, 40] {
+            // Multiples of the lanes (one lane a channel), short periods (several lanes
+            // a channel, folded by residue whatever the offset), and C = 200: a period
+            // too long with 16 lanes (pixel by pixel, ordinary stores), whole vectors
+            // with 8.
+            for c in [16usize, 32, 48, 64, 1, 2, 3, 5, 6, 7, 9, 12, 24, 40, 200] {
                 let pixels = 2 * pixels_per_tile(c) + 37;
                 let n = pixels * c;
                 let val = |i: usize, k: u64| {
