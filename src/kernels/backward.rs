@@ -568,7 +568,7 @@ fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
 /// last group (the tile's first `h` channels), and what is left after the whole vectors
 /// in the lower lanes of the group it falls in. Lane `j` of the sums `a`, `b` (`per`
 /// groups) adds, in order, the elements at `(h + j) mod (per·LANES)` of the tile (all of
-/// one channel): the same sums, lane for lane, whatever `h` ([`PeriodConsts::lane_of`]).
+/// one channel): the same sums, lane for lane, whatever `h`.
 ///
 /// Two uses:
 /// - `C` a multiple of the lanes with a streamed `dx` that starts `h > 0` elements
@@ -677,14 +677,6 @@ impl<U: Copy> PeriodConsts<U> {
             mean: expand(mean),
             k1: k1.map_or_else(|| expand(mean), expand),
         }
-    }
-
-    /// The lane that holds the elements at `r` modulo the period's `per·LANES` (of
-    /// channel `r mod c`): `(r − h) mod (per·LANES)`.
-    #[inline(always)]
-    fn lane_of(&self, r: usize) -> usize {
-        let w = self.mean.len();
-        (r + w - self.h) % w
     }
 }
 
@@ -907,24 +899,14 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
             s.store(&mut la[gi * l..], a[gi]);
             s.store(&mut lb[gi * l..], b[gi]);
         }
-        match &periodic {
-            // Lane j holds the elements at `(h + j) mod w` of every w = per·LANES, in
-            // order: folded by that residue, so that the bits do not depend on h (on
-            // where dx lies in memory).
-            Some(p) => {
-                let w = used * l;
-                for r in 0..w {
-                    let j = p.lane_of(r);
-                    sums.sum_dy[r % c] += la[j].to_f64();
-                    sums.sum_dy_xc[r % c] += lb[j].to_f64();
-                }
-            }
-            None => {
-                for j in 0..c {
-                    sums.sum_dy[j] += la[j].to_f64();
-                    sums.sum_dy_xc[j] += lb[j].to_f64();
-                }
-            }
+        // Lane j holds the elements at `(h + j) mod w` of every w elements, in order
+        // (w = per·LANES periodic, else C with h = 0): folded by that residue, so that
+        // the bits do not depend on h (on where dx lies in memory).
+        let (h, w) = periodic.as_ref().map_or((0, c), |p| (p.h, used * l));
+        for r in 0..w {
+            let j = (r + w - h) % w;
+            sums.sum_dy[r % c] += la[j].to_f64();
+            sums.sum_dy_xc[r % c] += lb[j].to_f64();
         }
         pc = periodic.or(pc);
         t0 = t1;
