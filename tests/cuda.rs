@@ -89,12 +89,13 @@ fn plans_cover_every_channel_once_in_groups_under_budget() {
                 };
                 assert_eq!(run % p.vector, 0, "{what}");
                 assert!(p.vector == 1 || p.vector * elem == 16, "{what}");
+                if p.traversal == Traversal::ChannelsLast {
+                    assert_eq!(p.groups.len(), 1, "{what}: channels-last is one group");
+                }
                 if let (Some(b), true) = (budget, p.groups.len() > 1) {
-                    // A group reads at most the budget, or one channel (vector) if larger.
-                    let per = match p.traversal {
-                        Traversal::ChannelsFirst => outer * inner * elem * 2,
-                        Traversal::ChannelsLast => outer * p.vector * elem * 2,
-                    };
+                    // Channels-first: a group reads at most the budget, or one channel if
+                    // larger.
+                    let per = outer * inner * elem * 2;
                     let width = p.groups[0].geo.width as usize;
                     assert!(width == 1 || width * per <= b, "{what}");
                 }

@@ -98,13 +98,14 @@ pub fn bench(args: &BenchArgs) -> Result<ExitCode> {
     };
     let runs = args.runs as usize;
     println!(
-        "# {} ({} SMs, {} MB L2, sm_{}{}), group {} MiB; each call timed alone after an L2 flush; median of {runs} pairs",
+        "# {} ({} SMs, {} MB L2, sm_{}{}), {}; each call timed alone after an L2 flush; median of {runs} pairs",
         gpu.name(),
         gpu.multiprocessors(),
         gpu.l2_bytes() >> 20,
         gpu.capability().0,
         gpu.capability().1,
-        gpu.group_bytes() >> 20
+        gpu.group_bytes()
+            .map_or("one channel group".to_string(), |b| format!("channel groups of {} MiB", b >> 20)),
     );
     println!(
         "{:<19} {:<6} {:<17} {:<5} {:>10} {:>10} {:>8} {:>8} {:>7} {:>7}  check",

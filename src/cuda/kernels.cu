@@ -8,11 +8,13 @@
 //   and TY rows tall; a thread keeps W channels' state and walks RK rows.
 // W is 16 bytes of T (vectorized) when the run (inner, or C) is a multiple of it, else 1.
 //
-// Reductions: each thread accumulates at most UNROLL*W (cf) or RK (cl) elements per
-// channel in f32 (Welford on values shifted by the thread's first element, so neither a
-// large mean nor a long run loses precision), blocks merge their threads' moments in f64
-// by Chan's formula in a fixed tree, and one warp per channel merges the blocks'
-// partials in f64 in a fixed order: results depend on the problem alone, never on timing.
+// Reductions: each thread accumulates at most iters*UNROLL*W (cf) or iters*RK (cl)
+// elements per channel in f32, around its first element (so a large mean loses nothing),
+// in batches of the loads in flight (a batch's mean and M2 in two passes over registers,
+// merged by Chan's formula, so a long run loses nothing either); blocks merge their
+// threads' moments in f64 by Chan's formula in a fixed tree, and one warp per channel
+// merges the blocks' partials in f64 in a fixed order: results depend on the problem
+// alone, never on timing.
 
 typedef unsigned long long u64;
 #if FBN_DTYPE == 0
@@ -137,7 +139,11 @@ __device__ __forceinline__ Mom merge(Mom a, Mom b) {
     return r;
 }
 
-// One thread's running moments of one channel in f32, shifted by its first value.
+// One thread's running moments of one channel in f32, around a shift (its first value),
+// fed a batch at a time: a batch's mean and M2 come from two passes over the values in
+// registers, and the batch is merged by Chan's formula: one division per batch, where
+// Welford's update took one per element. (Checked against the f64 reference on an H200,
+// 2026-11-28; its effect on time was not isolated: README, CUDA.)
 struct Acc {
     float shift, mean, m2;
     int n;
@@ -150,13 +156,28 @@ __device__ __forceinline__ void acc_init(Acc& a) {
     a.n = 0;
 }
 
-__device__ __forceinline__ void acc_add(Acc& a, float v) {
-    if (a.n == 0) a.shift = v;
-    float y = v - a.shift;
-    a.n += 1;
-    float d = y - a.mean;
-    a.mean += d / (float)a.n;
-    a.m2 += d * (y - a.mean);
+// Merges a batch of nb values whose shifted mean is bmean and whose M2 is bm2.
+__device__ __forceinline__ void acc_merge(Acc& a, int nb, float bmean, float bm2) {
+    if (nb == 0) return;
+    if (a.n == 0) {
+        a.n = nb;
+        a.mean = bmean;
+        a.m2 = bm2;
+        return;
+    }
+    int n = a.n + nb;
+    float r = (float)nb / (float)n;
+    float d = bmean - a.mean;
+    a.mean += d * r;
+    a.m2 += bm2 + d * d * ((float)a.n * r);
+    a.n = n;
+}
+
+// The mean of a batch from its shifted sum: a multiplication for a full batch (a power of
+// two, the same bits as the division), a division for the last, short one.
+template <int FULL>
+__device__ __forceinline__ float batch_mean(float s1, int nb) {
+    return nb == FULL ? s1 * (1.0f / (float)FULL) : s1 / (float)nb;
 }
 
 __device__ __forceinline__ Mom acc_mom(const Acc& a) {
@@ -250,21 +271,48 @@ __device__ void stats_cf(Geo g, const T* __restrict__ x, Mom* __restrict__ part)
     acc_init(a);
     for (u64 it = 0; it < g.iters; it++) {
         u64 v0 = ((u64)blockIdx.x * g.iters + it) * (THREADS * UNROLL) + threadIdx.x;
+        if (v0 >= mv) break;
+        // The loads in flight are the batch: its first kv (all valid) of UNROLL vectors.
+        u64 left = (mv - v0 + THREADS - 1) / THREADS;
+        int kv = left < (u64)UNROLL ? (int)left : UNROLL;
         Packed<W> raw[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; k++) {
-            u64 v = v0 + (u64)k * THREADS;
-            if (v < mv) raw[k] = ldraw<W>(x + cf_offset<W>(g, c, v), false);
+            if (k < kv) raw[k] = ldraw<W>(x + cf_offset<W>(g, c, v0 + (u64)k * THREADS), false);
         }
+        if (a.n == 0) {
+            float f[W];
+            unpack<W>(raw[0], f);
+            a.shift = f[0];
+        }
+        // Four partial sums in each pass, added in a fixed order: four chains in flight.
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < UNROLL; k++) {
-            if (v0 + (u64)k * THREADS < mv) {
+            if (k < kv) {
                 float f[W];
                 unpack<W>(raw[k], f);
 #pragma unroll
-                for (int i = 0; i < W; i++) acc_add(a, f[i]);
+                for (int i = 0; i < W; i++) s[(k * W + i) & 3] += f[i] - a.shift;
             }
         }
+        int nb = kv * W;
+        float bm = batch_mean<UNROLL * W>((s[0] + s[1]) + (s[2] + s[3]), nb);
+        float ctr = a.shift + bm;
+        float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            if (k < kv) {
+                float f[W];
+                unpack<W>(raw[k], f);
+#pragma unroll
+                for (int i = 0; i < W; i++) {
+                    float e = f[i] - ctr;
+                    q[(k * W + i) & 3] = fmaf(e, e, q[(k * W + i) & 3]);
+                }
+            }
+        }
+        acc_merge(a, nb, bm, (q[0] + q[1]) + (q[2] + q[3]));
     }
     Mom m = block_merge_all(acc_mom(a));
     if (threadIdx.x == 0) part[(g.part_base + blockIdx.y) * g.chunks + blockIdx.x] = m;
@@ -281,24 +329,61 @@ __device__ void stats_cl(Geo g, const T* __restrict__ x, Mom* __restrict__ part)
     for (int i = 0; i < W; i++) acc_init(a[i]);
     for (u64 it = 0; it < g.iters; it++) {
         u64 r0 = ((u64)blockIdx.x * g.iters + it) * TY * RK + ty;
-        // Two halves of RK / 2 loads in flight: W accumulators stay in registers.
+        // Two halves of RK / 2 loads in flight, each a batch of rows for the W channels:
+        // the accumulators stay in registers.
 #pragma unroll
         for (int h = 0; h < RK; h += RK / 2) {
+            u64 rh = r0 + (u64)h * TY;
+            int kv = 0;
+            if (active && rh < g.outer) {
+                u64 left = (g.outer - rh + TY - 1) / TY;
+                kv = left < (u64)(RK / 2) ? (int)left : RK / 2;
+            }
+            if (kv == 0) continue;
             Packed<W> raw[RK / 2];
 #pragma unroll
             for (int k = 0; k < RK / 2; k++) {
-                u64 r = r0 + (u64)(h + k) * TY;
-                if (active && r < g.outer) raw[k] = ldraw<W>(x + r * g.C + j * W, false);
+                if (k < kv) raw[k] = ldraw<W>(x + (rh + (u64)k * TY) * g.C + j * W, false);
             }
+            if (a[0].n == 0) {
+                float f[W];
+                unpack<W>(raw[0], f);
+#pragma unroll
+                for (int i = 0; i < W; i++) a[i].shift = f[i];
+            }
+            float s[W];
+#pragma unroll
+            for (int i = 0; i < W; i++) s[i] = 0.0f;
 #pragma unroll
             for (int k = 0; k < RK / 2; k++) {
-                if (active && r0 + (u64)(h + k) * TY < g.outer) {
+                if (k < kv) {
                     float f[W];
                     unpack<W>(raw[k], f);
 #pragma unroll
-                    for (int i = 0; i < W; i++) acc_add(a[i], f[i]);
+                    for (int i = 0; i < W; i++) s[i] += f[i] - a[i].shift;
                 }
             }
+            float bm[W], ctr[W], q[W];
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                bm[i] = batch_mean<RK / 2>(s[i], kv);
+                ctr[i] = a[i].shift + bm[i];
+                q[i] = 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < RK / 2; k++) {
+                if (k < kv) {
+                    float f[W];
+                    unpack<W>(raw[k], f);
+#pragma unroll
+                    for (int i = 0; i < W; i++) {
+                        float e = f[i] - ctr[i];
+                        q[i] = fmaf(e, e, q[i]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < W; i++) acc_merge(a[i], kv, bm[i], q[i]);
         }
     }
     int t = ty * TX + tx;

@@ -10,9 +10,17 @@
 //!   channel-vectors wide and `ty` rows tall and walks `RK·iters` rows per thread row.
 //!
 //! A vector is 16 bytes of the element type when the contiguous run (`inner`, or `C`)
-//! is a multiple of it, else one element. Channels are processed in groups whose
-//! full-size inputs fit in [`GROUP_BYTES`] (half of an H100's L2), so that the second
-//! pass over a group (apply) finds its inputs still in L2.
+//! is a multiple of it, else one element.
+//!
+//! Every channel is in one launch (one group) unless a channel-major budget is given, so
+//! the training passes read x twice (the second time from L2 only where x fits there).
+//! Channel groups sized to stay in L2 between the two passes (16 MiB, a third of an
+//! H100's L2, until 2026-11-28) were slower in every case measured: their launches run
+//! one after another, and a channels-last group is a strip of every row. Measured with `fusedbn bench --device cuda --runs 9` on an
+//! H200, one group against 16 MiB ones (`FUSEDBN_CUDA_GROUP_MB`, which still sets a
+//! channel-major budget for experiments), time ÷ device copy: NCHW forward training
+//! f32 16x256x56x56 3.47 -> 2.11, 256x256x56x56 3.53 -> 1.61, backward training 3.12 ->
+//! 1.72 and 3.70 -> 1.59; f16 and bf16 alike; channels-last in [`plan`].
 
 /// Threads per block.
 pub const THREADS: u32 = 256;
@@ -26,9 +34,6 @@ pub const RK: u64 = 16;
 pub const TARGET_BLOCKS: u64 = 1056;
 /// Most rounds per thread.
 pub const MAX_ITERS: u64 = 16;
-/// Bytes of full-size inputs per channel group (inputs read twice stay in L2 between
-/// the two passes). Overridden by `FUSEDBN_CUDA_GROUP_MB`.
-pub const GROUP_BYTES: usize = 16 << 20;
 /// The largest grid y dimension.
 const MAX_GRID_Y: u64 = 65535;
 
@@ -103,8 +108,8 @@ fn ceil_div(a: u64, b: u64) -> u64 {
 }
 
 /// The plan for `x = [outer, channels, inner]` (not empty) of `elem_bytes`-byte elements,
-/// with `inputs` full-size tensors read per element and channel groups of at most
-/// `group_bytes` of them (`None`: one group).
+/// with `inputs` full-size tensors read per element and, channels-first, channel groups
+/// of at most `group_bytes` of them (`None`: one group). Channels-last is one group.
 pub fn plan(
     outer: usize,
     channels: usize,
@@ -156,16 +161,13 @@ pub fn plan(
     } else {
         let vector = if c % per_vec == 0 { per_vec } else { 1 };
         let cv = c / vector;
-        let cv_bytes = outer * vector * per_elem;
-        let mut gcv = (budget / cv_bytes.max(1)).clamp(1, cv);
-        if gcv < cv {
-            // Whole warps across channel-vectors where possible, else a power of two.
-            gcv = if gcv >= 32 {
-                gcv - gcv % 32
-            } else {
-                1 << (63 - gcv.leading_zeros())
-            };
-        }
+        // One group, whatever the budget: a channels-last group is a strip of every row,
+        // so a narrow one reads 16 bytes of each 1 KiB row and its launches run one after
+        // another; two reads of x from DRAM cost less (H100, `fusedbn bench --device
+        // cuda`, NHWC 256x56x56x256 f32 forward training 13.5 -> 1.57 of a copy,
+        // 16x56x56x256 3.00 -> 1.94, backward training 12.8 -> 1.66 and 3.83 -> 1.77,
+        // every dtype alike). Only the grid's y limit splits the channels.
+        let gcv = cv.min(MAX_GRID_Y * 32);
         let tx = gcv.next_power_of_two().min(32);
         let ty = u64::from(THREADS) / tx;
         let grid_y = ceil_div(gcv, tx);

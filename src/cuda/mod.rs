@@ -18,14 +18,15 @@
 //! The op layer runs on the GPU through [`crate::ops::Backend::Cuda`].
 //!
 //! # Passes
-//! | op | launches (per channel group) | memory traffic |
+//! | op | launches | memory traffic |
 //! |---|---|---|
-//! | forward, training | statistics → finalize → apply | x once from DRAM (again from L2), y once |
+//! | forward, training | statistics → finalize → apply | x twice (the second time from L2 where it fits), y once |
 //! | forward, inference | apply (coefficients computed in the kernel) | x, y |
-//! | backward, training | reduce → finalize → apply | dy, x once from DRAM (again from L2), dx |
+//! | backward, training | reduce → finalize → apply | dy, x twice (likewise), dx |
 //! | backward, inference | reduce writing dx → finalize | dy, x, dx |
 //!
-//! Statistics: f32 per thread over a bounded count (Welford on shifted values), f64
+//! Statistics: f32 per thread around its first value, a batch of loads at a time (two
+//! passes over registers, batches merged by Chan's formula), f64
 //! across threads and blocks (Chan's merge for moments, plain sums for the gradient
 //! sums), in a fixed order fixed by the problem's shape ([`launch`]): bit-identical
 //! results run after run.
@@ -64,7 +65,7 @@ use crate::batch_norm::{
 use crate::element::{Element, Real};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use launch::{finalize_blocks, Geo, Plan, Traversal, GROUP_BYTES};
+use launch::{finalize_blocks, Geo, Plan, Traversal};
 
 /// The CUDA C++ source of the kernels, compiled by NVRTC at run time.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -171,7 +172,7 @@ pub struct Gpu {
     name: String,
     multiprocessors: usize,
     l2_bytes: usize,
-    group_bytes: usize,
+    group_bytes: Option<usize>,
     kernels: Arc<Mutex<HashMap<DType, Arc<Kernels>>>>,
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
 }
@@ -373,7 +374,7 @@ impl Gpu {
         let group_bytes = std::env::var("FUSEDBN_CUDA_GROUP_MB")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .map_or(GROUP_BYTES.min(l2_bytes / 2).max(1 << 20), |mb| mb << 20);
+            .map(|mb| mb.max(1) << 20);
         Ok(Gpu {
             name: ctx.name().map_err(device_err)?,
             ctx,
@@ -407,9 +408,10 @@ impl Gpu {
         self.l2_bytes
     }
 
-    /// Bytes of full-size inputs per channel group (half the L2, at most
-    /// [`GROUP_BYTES`]; `FUSEDBN_CUDA_GROUP_MB` overrides).
-    pub fn group_bytes(&self) -> usize {
+    /// Bytes of full-size inputs per channel-major group of the training passes: `None`
+    /// (every channel in one launch, the default: see [`launch`]), or what
+    /// `FUSEDBN_CUDA_GROUP_MB` sets, for experiments.
+    pub fn group_bytes(&self) -> Option<usize> {
         self.group_bytes
     }
 
@@ -664,14 +666,7 @@ impl Gpu {
                     );
                 }
                 let k = self.kernels(T::DTYPE)?;
-                let plan = launch::plan(
-                    g.outer,
-                    g.channels,
-                    g.inner,
-                    elem,
-                    1,
-                    Some(self.group_bytes),
-                );
+                let plan = launch::plan(g.outer, g.channels, g.inner, elem, 1, self.group_bytes);
                 let part_bytes = c * plan.chunks as usize * MOM_BYTES;
                 let (_lock, base) = self.scratch(part_bytes + 12 * c)?;
                 let (part, coef) = (base, base + part_bytes as u64);
@@ -822,7 +817,7 @@ impl Gpu {
         let eps = p.epsilon();
         let k = self.kernels(T::DTYPE)?;
         let inputs = 2 + usize::from(i.relu_output.is_some());
-        let group = i.training.then_some(self.group_bytes);
+        let group = self.group_bytes.filter(|_| i.training);
         let plan = launch::plan(g.outer, g.channels, g.inner, elem, inputs, group);
         let part_bytes = c * plan.chunks as usize * SUM2_BYTES;
         let (_lock, base) = self.scratch(part_bytes + 12 * c)?;
