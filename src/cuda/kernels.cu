@@ -180,6 +180,68 @@ __device__ __forceinline__ float batch_mean(float s1, int nb) {
     return nb == FULL ? s1 * (1.0f / (float)FULL) : s1 / (float)nb;
 }
 
+// Partial sums of C chains, added in a fixed order.
+template <int C>
+__device__ __forceinline__ float sum_chains(const float (&v)[C]) {
+    static_assert(C == 1 || C == 4, "one chain or four");
+    if constexpr (C == 4) {
+        return (v[0] + v[1]) + (v[2] + v[3]);
+    } else {
+        return v[0];
+    }
+}
+
+// Feeds one batch, the first kv of the N loads in raw, to the accumulators: element e of
+// the batch (load e / W, lane e % W) goes to a[e % A] (A = 1: one channel, the cf walk;
+// A = W: a channel per lane, the cl walk), on chain (e / A) % C of that accumulator.
+// Pass one: the shifted sum, so the batch mean; pass two: M2 around shift + mean.
+template <int A, int C, int W, int N>
+__device__ __forceinline__ void acc_batch(Acc (&a)[A], const Packed<W> (&raw)[N], int kv) {
+    static_assert(A == 1 || A == W, "one channel, or one per lane");
+    if (a[0].n == 0) {
+        float f[W];
+        unpack<W>(raw[0], f);
+#pragma unroll
+        for (int j = 0; j < A; j++) a[j].shift = f[j];
+    }
+    float s[A][C] = {};
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        if (k < kv) {
+            float f[W];
+            unpack<W>(raw[k], f);
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                int e = k * W + i;
+                s[e % A][(e / A) % C] += f[i] - a[e % A].shift;
+            }
+        }
+    }
+    int nb = kv * (W / A);
+    float bm[A], ctr[A];
+#pragma unroll
+    for (int j = 0; j < A; j++) {
+        bm[j] = batch_mean<N * W / A>(sum_chains<C>(s[j]), nb);
+        ctr[j] = a[j].shift + bm[j];
+    }
+    float q[A][C] = {};
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        if (k < kv) {
+            float f[W];
+            unpack<W>(raw[k], f);
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                int e = k * W + i;
+                float d = f[i] - ctr[e % A];
+                q[e % A][(e / A) % C] = fmaf(d, d, q[e % A][(e / A) % C]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < A; j++) acc_merge(a[j], nb, bm[j], sum_chains<C>(q[j]));
+}
+
 __device__ __forceinline__ Mom acc_mom(const Acc& a) {
     Mom m;
     m.n = (double)a.n;
@@ -267,8 +329,8 @@ template <int W>
 __device__ void stats_cf(Geo g, const T* __restrict__ x, Mom* __restrict__ part) {
     u64 c = g.c0 + blockIdx.y;
     u64 mv = g.outer * (g.inner / W);
-    Acc a;
-    acc_init(a);
+    Acc a[1];
+    acc_init(a[0]);
     for (u64 it = 0; it < g.iters; it++) {
         u64 v0 = ((u64)blockIdx.x * g.iters + it) * (THREADS * UNROLL) + threadIdx.x;
         if (v0 >= mv) break;
@@ -280,41 +342,10 @@ __device__ void stats_cf(Geo g, const T* __restrict__ x, Mom* __restrict__ part)
         for (int k = 0; k < UNROLL; k++) {
             if (k < kv) raw[k] = ldraw<W>(x + cf_offset<W>(g, c, v0 + (u64)k * THREADS), false);
         }
-        if (a.n == 0) {
-            float f[W];
-            unpack<W>(raw[0], f);
-            a.shift = f[0];
-        }
-        // Four partial sums in each pass, added in a fixed order: four chains in flight.
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int k = 0; k < UNROLL; k++) {
-            if (k < kv) {
-                float f[W];
-                unpack<W>(raw[k], f);
-#pragma unroll
-                for (int i = 0; i < W; i++) s[(k * W + i) & 3] += f[i] - a.shift;
-            }
-        }
-        int nb = kv * W;
-        float bm = batch_mean<UNROLL * W>((s[0] + s[1]) + (s[2] + s[3]), nb);
-        float ctr = a.shift + bm;
-        float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int k = 0; k < UNROLL; k++) {
-            if (k < kv) {
-                float f[W];
-                unpack<W>(raw[k], f);
-#pragma unroll
-                for (int i = 0; i < W; i++) {
-                    float e = f[i] - ctr;
-                    q[(k * W + i) & 3] = fmaf(e, e, q[(k * W + i) & 3]);
-                }
-            }
-        }
-        acc_merge(a, nb, bm, (q[0] + q[1]) + (q[2] + q[3]));
+        // Four chains per pass: one channel's values, four additions in flight.
+        acc_batch<1, 4>(a, raw, kv);
     }
-    Mom m = block_merge_all(acc_mom(a));
+    Mom m = block_merge_all(acc_mom(a[0]));
     if (threadIdx.x == 0) part[(g.part_base + blockIdx.y) * g.chunks + blockIdx.x] = m;
 }
 
@@ -345,45 +376,8 @@ __device__ void stats_cl(Geo g, const T* __restrict__ x, Mom* __restrict__ part)
             for (int k = 0; k < RK / 2; k++) {
                 if (k < kv) raw[k] = ldraw<W>(x + (rh + (u64)k * TY) * g.C + j * W, false);
             }
-            if (a[0].n == 0) {
-                float f[W];
-                unpack<W>(raw[0], f);
-#pragma unroll
-                for (int i = 0; i < W; i++) a[i].shift = f[i];
-            }
-            float s[W];
-#pragma unroll
-            for (int i = 0; i < W; i++) s[i] = 0.0f;
-#pragma unroll
-            for (int k = 0; k < RK / 2; k++) {
-                if (k < kv) {
-                    float f[W];
-                    unpack<W>(raw[k], f);
-#pragma unroll
-                    for (int i = 0; i < W; i++) s[i] += f[i] - a[i].shift;
-                }
-            }
-            float bm[W], ctr[W], q[W];
-#pragma unroll
-            for (int i = 0; i < W; i++) {
-                bm[i] = batch_mean<RK / 2>(s[i], kv);
-                ctr[i] = a[i].shift + bm[i];
-                q[i] = 0.0f;
-            }
-#pragma unroll
-            for (int k = 0; k < RK / 2; k++) {
-                if (k < kv) {
-                    float f[W];
-                    unpack<W>(raw[k], f);
-#pragma unroll
-                    for (int i = 0; i < W; i++) {
-                        float e = f[i] - ctr[i];
-                        q[i] = fmaf(e, e, q[i]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < W; i++) acc_merge(a[i], kv, bm[i], q[i]);
+            // One chain per channel: the W channels' additions are in flight together.
+            acc_batch<W, 1>(a, raw, kv);
         }
     }
     int t = ty * TX + tx;

@@ -120,10 +120,10 @@ pub fn plan(
 ) -> Plan {
     let (outer, c, inner) = (outer as u64, channels as u64, inner as u64);
     let per_vec = (16 / elem_bytes) as u64;
-    let budget = group_bytes.map_or(u64::MAX, |b| b as u64);
-    let per_elem = (elem_bytes * inputs) as u64;
     let mut groups = Vec::new();
     if inner > 1 || c == 1 {
+        let budget = group_bytes.map_or(u64::MAX, |b| b as u64);
+        let per_elem = (elem_bytes * inputs) as u64;
         let vector = if inner % per_vec == 0 { per_vec } else { 1 };
         let mv = outer * inner / vector;
         let chan_bytes = outer * inner * per_elem;
