@@ -914,24 +914,17 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         // (C = 256, a flush every 128 pixels; `perf annotate`, Zen 4).
         let (h, w) = periodic.as_ref().map_or((0, c), |p| (p.h, used * l));
         let (sd, sx) = (&mut sums.sum_dy[..c], &mut sums.sum_dy_xc[..c]);
-        if h == 0 && w == c {
-            for (ch, (da, xb)) in la[..c].iter().zip(&lb[..c]).enumerate() {
-                sd[ch] += da.to_f64();
-                sx[ch] += xb.to_f64();
+        let (mut j, mut ch) = ((w - h) % w, 0);
+        for _ in 0..w {
+            sd[ch] += la[j].to_f64();
+            sx[ch] += lb[j].to_f64();
+            j += 1;
+            if j == w {
+                j = 0;
             }
-        } else {
-            let (mut j, mut ch) = ((w - h) % w, 0);
-            for _ in 0..w {
-                sd[ch] += la[j].to_f64();
-                sx[ch] += lb[j].to_f64();
-                j += 1;
-                if j == w {
-                    j = 0;
-                }
-                ch += 1;
-                if ch == c {
-                    ch = 0;
-                }
+            ch += 1;
+            if ch == c {
+                ch = 0;
             }
         }
         pc = periodic.or(pc);
