@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README's, and what .ci/run runs): every test of the workspace, then
-# the synchronized batch norm under mpirun (cargo feature `mpi`, OpenMPI).
+# The test command (README's, and what .ci/run runs): every test of the workspace, the
+# synchronized batch norm under mpirun among them (cargo feature `mpi`, OpenMPI).
 #
 #   scripts/test.sh          install OpenMPI if missing (apt-get, as root), then test
 #   scripts/test.sh --deps   only install what is missing
@@ -48,24 +48,34 @@ if [ "${FUSEDBN_SKIP_MPI:-0}" != 1 ]; then
 fi
 [ "${1:-}" = --deps ] && exit 0
 
-echo "== cargo test --workspace --release (includes the candle and burn training examples' #[test]s)"
-cargo test --workspace --release
+# One optimized build of the workspace, with the `mpi` feature unless MPI is skipped:
+# every release test (the candle and burn training examples' #[test]s, the MPI tests
+# under mpirun -n 2, 3 and 4, and `fusedbn run --sync mpi` under mpirun -n 3) in one
+# cargo invocation, so the library is compiled once, with one feature set. (A second
+# invocation with other features compiled it again: about 8 minutes of a 2-core run.)
+features=()
+if [ "${FUSEDBN_SKIP_MPI:-0}" != 1 ]; then
+    # mpirun as root, more ranks than cores, loopback only.
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_oob_tcp_if_include=lo
+    features=(--features fusedbn/mpi,fusedbn-cli/mpi)
+fi
+echo "== cargo test --workspace --release ${features[*]}"
+cargo test --workspace --release "${features[@]}"
 
-# The library's unit tests once more unoptimized, as a user's debug build compiles it:
-# overflow checks and debug assertions on, and kernels whose frames take megabytes of
-# stack (see `on_enough_stack` in src/kernels/simd/mod.rs). About a minute.
+# The library's unit tests, unoptimized, as a user's debug build compiles it: overflow
+# checks and debug assertions on, and kernels whose frames take megabytes of stack (see
+# `on_enough_stack` in src/kernels/simd/mod.rs). Only here: `test = false` keeps them
+# out of the optimized run above (Cargo.toml says why). About two minutes.
 echo "== cargo test -p fusedbn --lib (unoptimized)"
 cargo test -p fusedbn --lib
 
 if [ "${FUSEDBN_SKIP_MPI:-0}" = 1 ]; then
     echo "== MPI tests skipped (FUSEDBN_SKIP_MPI=1)"
-    exit 0
+else
+    # The default build (no `mpi` feature) refuses `--sync mpi` with a clear error:
+    # checked in the unoptimized build, which compiles the library without MPI in
+    # about a minute.
+    echo "== fusedbn run --sync mpi without the mpi feature (unoptimized)"
+    cargo test -p fusedbn-cli --test sync
 fi
-# mpirun as root, more ranks than cores, loopback only.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_oob_tcp_if_include=lo
-echo "== MPI: the library under mpirun -n 2, 3, 4, and fusedbn run --sync mpi under mpirun -n 3 (feature mpi)"
-# One cargo invocation, so the library is built once with one feature set (two
-# invocations resolved different features and compiled it twice).
-cargo test --release -p fusedbn -p fusedbn-cli --features fusedbn/mpi,fusedbn-cli/mpi \
-    --test sync_mpi --example sync_mpi --test sync

@@ -333,6 +333,10 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
+    if !S::HINTS {
+        // No streaming stores or prefetches on this ISA: one loop for every case.
+        return splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf);
+    }
     match (stream, count) {
         (true, 0) if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
         (true, 0) => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
@@ -542,7 +546,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let singles = Reads::new(l, single, pattern.period);
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
-        if stream && w.aligned() {
+        if S::HINTS && stream && w.aligned() {
             periodic_body::<U, S, T, F, N, K, true>(s, &mut w, [&consts, &singles], f);
         } else {
             periodic_body::<U, S, T, F, N, K, false>(s, &mut w, [&consts, &singles], f);

@@ -372,7 +372,7 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let (ins_b, out_b) = (sub_n(&ins, head, None), &mut out[head..]);
     let (at, n) = {
         let mut w = Walk::new(l, ins_b, &mut *out_b);
-        acc = if stream && w.aligned() {
+        acc = if S::HINTS && stream && w.aligned() {
             sums_out_body::<U, S, T, N, true>(s, &mut w, m, k1, acc)
         } else {
             sums_out_body::<U, S, T, N, false>(s, &mut w, m, k1, acc)
@@ -766,6 +766,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     sums: &mut BackwardSums,
 ) {
     let (l, c) = (S::LANES, mean.len());
+    // No streamed dx without the hints (`Simd::HINTS`): the plain walks, compiled once.
+    let stream = S::HINTS && stream;
     let groups = c.div_ceil(l);
     let zero = s.splat(U::ZERO);
     let padded = |v: &[U]| {
@@ -848,7 +850,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
         if dx.is_none() && quads != Quads::No {
             while q0 + 4 * c <= t1 {
-                if quads == Quads::Prefetched {
+                if S::HINTS && quads == Quads::Prefetched {
                     sums_quad::<U, S, T, N, true>(s, &ins, q0, c, &consts, &mut a, &mut b);
                 } else {
                     sums_quad::<U, S, T, N, false>(s, &ins, q0, c, &consts, &mut a, &mut b);
@@ -883,7 +885,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
-                        if stream_px && w.aligned() {
+                        if S::HINTS && stream_px && w.aligned() {
                             pixel_out::<U, S, T, N, true>(s, &mut w, &consts, &mut a, &mut b);
                         } else {
                             pixel_out::<U, S, T, N, false>(s, &mut w, &consts, &mut a, &mut b);

@@ -208,6 +208,12 @@ const DEBUG_STACK: usize = 16 << 20;
 pub trait Simd<U>: Copy + Send + Sync + 'static {
     /// Lanes per vector.
     const LANES: usize;
+    /// Whether the ISA has non-temporal stores and prefetch hints. Where it has not
+    /// (the portable ISA: [`Simd::stream_ptr`] is a plain store and the prefetches do
+    /// nothing), the kernels run one variant of each loop instead of one per hint: the
+    /// others would be the same machine code, compiled again (in a release build of the
+    /// library, most of its LLVM time went to the portable kernels).
+    const HINTS: bool = true;
     /// The vector type.
     type V: Copy;
     /// All lanes `v`.

@@ -13,6 +13,7 @@ const L: usize = 8;
 
 impl<U: Real> Simd<U> for Portable {
     const LANES: usize = L;
+    const HINTS: bool = false;
     type V = [U; L];
 
     #[inline(always)]
