@@ -52,7 +52,7 @@ fi
 # every release test (the candle and burn training examples' #[test]s, the MPI tests
 # under mpirun -n 2, 3 and 4, and `fusedbn run --sync mpi` under mpirun -n 3) in one
 # cargo invocation, so the library is compiled once, with one feature set. (A second
-# invocation with other features compiled it again: about 8 minutes of a 2-core run.)
+# invocation with other features compiled it again: 9m10 of a 2-core run.)
 features=()
 if [ "${FUSEDBN_SKIP_MPI:-0}" != 1 ]; then
     # mpirun as root, more ranks than cores, loopback only.
@@ -66,7 +66,7 @@ cargo test --workspace --release "${features[@]}"
 # The library's unit tests, unoptimized, as a user's debug build compiles it: overflow
 # checks and debug assertions on, and kernels whose frames take megabytes of stack (see
 # `on_enough_stack` in src/kernels/simd/mod.rs). Only here: `test = false` keeps them
-# out of the optimized run above (Cargo.toml says why). About two minutes.
+# out of the optimized run above (Cargo.toml says why). About 1.5 minutes.
 echo "== cargo test -p fusedbn --lib (unoptimized)"
 cargo test -p fusedbn --lib
 
@@ -74,8 +74,8 @@ if [ "${FUSEDBN_SKIP_MPI:-0}" = 1 ]; then
     echo "== MPI tests skipped (FUSEDBN_SKIP_MPI=1)"
 else
     # The default build (no `mpi` feature) refuses `--sync mpi` with a clear error:
-    # checked in the unoptimized build, which compiles the library without MPI in
-    # about a minute.
+    # checked in the unoptimized build, which compiles the library without MPI (build
+    # and run: 1m40).
     echo "== fusedbn run --sync mpi without the mpi feature (unoptimized)"
     cargo test -p fusedbn-cli --test sync
 fi

@@ -766,8 +766,13 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     sums: &mut BackwardSums,
 ) {
     let (l, c) = (S::LANES, mean.len());
-    // No streamed dx without the hints (`Simd::HINTS`): the plain walks, compiled once.
+    // Without the hints (`Simd::HINTS`) no streamed dx and no prefetched quads: the
+    // plain walks, compiled once.
     let stream = S::HINTS && stream;
+    let quads = match quads {
+        Quads::Prefetched if !S::HINTS => Quads::Cached,
+        q => q,
+    };
     let groups = c.div_ceil(l);
     let zero = s.splat(U::ZERO);
     let padded = |v: &[U]| {
@@ -850,7 +855,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
         if dx.is_none() && quads != Quads::No {
             while q0 + 4 * c <= t1 {
-                if S::HINTS && quads == Quads::Prefetched {
+                if quads == Quads::Prefetched {
                     sums_quad::<U, S, T, N, true>(s, &ins, q0, c, &consts, &mut a, &mut b);
                 } else {
                     sums_quad::<U, S, T, N, false>(s, &ins, q0, c, &consts, &mut a, &mut b);
@@ -885,7 +890,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
-                        if S::HINTS && stream_px && w.aligned() {
+                        if stream_px && w.aligned() {
                             pixel_out::<U, S, T, N, true>(s, &mut w, &consts, &mut a, &mut b);
                         } else {
                             pixel_out::<U, S, T, N, false>(s, &mut w, &consts, &mut a, &mut b);
