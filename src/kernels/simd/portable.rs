@@ -134,20 +134,38 @@ unsafe fn load_f32<T: Element<Stat = f32>>(p: *const T) -> f32x8 {
     }
 }
 
-/// Eight f32 lanes stored at `p`: as they are for f32, narrowed one by one otherwise.
+/// Eight f32 lanes stored at `p`: as they are for f32, rounded to bf16 in the vector
+/// ([`to_bf16_bits`]), narrowed one by one for f16.
 ///
 /// # Safety
 /// `p` points to 8 writable elements.
 #[inline(always)]
 unsafe fn store_f32<T: Element<Stat = f32>>(p: *mut T, v: f32x8) {
     // SAFETY: 8 writable elements at `p` (the caller's guarantee); `T` is f32 in the
-    // first arm (its `DTYPE`).
+    // first arm and bf16 in the second (its `DTYPE`).
     unsafe {
         match T::DTYPE {
             DType::F32 => p.cast::<[f32; L]>().write_unaligned(v.to_array()),
+            DType::BF16 => p
+                .cast::<[u16; L]>()
+                .write_unaligned(to_bf16_bits(v).to_array().map(|b| b as u16)),
             _ => store_lanes(p, v.to_array()),
         }
     }
+}
+
+/// The bf16 bits of each lane (in the low half of a 32-bit lane), as `bf16::from_f32`
+/// rounds: to nearest even, a NaN kept quiet with its high mantissa bits. Adding
+/// `0x7FFF` plus the kept part's lowest bit carries into the kept part exactly when
+/// `from_f32` rounds up (the round bit set, and a lower bit or the lowest kept bit set),
+/// infinities and overflow to infinity included; the addition wraps only for a NaN,
+/// whose lane takes the other value.
+#[inline(always)]
+fn to_bf16_bits(v: f32x8) -> u32x8 {
+    let x = v.to_bits();
+    let rounded = (x + u32x8::splat(0x7FFF) + ((x >> 16_u32) & u32x8::splat(1))) >> 16_u32;
+    let quiet = (x >> 16_u32) | u32x8::splat(0x40);
+    v.is_nan().select(quiet, rounded)
 }
 
 /// Eight f64 elements at `p`.
@@ -189,4 +207,90 @@ unsafe fn load_lanes<T: Element>(p: *const T) -> [T::Stat; L] {
 unsafe fn store_lanes<T: Element>(p: *mut T, a: [T::Stat; L]) {
     // SAFETY: the caller guarantees 8 writable elements at `p`.
     unsafe { p.cast::<[T; L]>().write_unaligned(a.map(T::narrow)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+
+    use super::*;
+
+    /// Bit patterns spread over all of f32 (a prime stride: every exponent, both signs,
+    /// NaN payloads), with the edges: zeros, subnormals, the largest finite values,
+    /// infinities, and the rounding ties of bf16 on both sides.
+    fn patterns() -> Vec<u32> {
+        let mut bits: Vec<u32> = (0..=u32::MAX).step_by(4099).collect();
+        for b in [
+            0x0000_0000u32,
+            0x0000_0001,
+            0x007F_FFFF,
+            0x0080_0000,
+            0x7F7F_FFFF,
+        ] {
+            for sign in [0, 0x8000_0000] {
+                bits.push(b | sign);
+            }
+        }
+        for hi in [0x3F80u32, 0x3F81, 0x7F7F, 0x0000, 0x7F80, 0x7FC0, 0x7FBF] {
+            for lo in [0x7FFFu32, 0x8000, 0x8001, 0xFFFF, 0x0001] {
+                bits.push(hi << 16 | lo);
+                bits.push(0x8000_0000 | hi << 16 | lo);
+            }
+        }
+        bits
+    }
+
+    /// The bf16 store rounds as `bf16::from_f32` (NaNs included) and the bf16 load
+    /// widens as `bf16::to_f32`, bit for bit; f16 goes through `half` lane by lane.
+    #[test]
+    fn half_conversions_are_halfs() {
+        let s = Portable;
+        for chunk in patterns().chunks(L) {
+            let mut lanes = [0.0f32; L];
+            for (d, &b) in lanes.iter_mut().zip(chunk) {
+                *d = f32::from_bits(b);
+            }
+            let v = f32x8::new(lanes);
+            let mut out = [bf16::ZERO; L];
+            // SAFETY: `out` holds L elements.
+            unsafe { Simd::<f32>::store_ptr(s, out.as_mut_ptr(), v) };
+            for (o, x) in out.iter().zip(lanes) {
+                assert_eq!(
+                    o.to_bits(),
+                    bf16::from_f32(x).to_bits(),
+                    "{:#010x}",
+                    x.to_bits()
+                );
+            }
+            // SAFETY: `out` holds L elements.
+            let back = unsafe { Simd::<f32>::load_ptr(s, out.as_ptr()) }.to_array();
+            for (b, o) in back.iter().zip(out) {
+                assert_eq!(b.to_bits(), o.to_f32().to_bits());
+            }
+            let mut h = [f16::ZERO; L];
+            // SAFETY: `h` holds L elements.
+            unsafe { Simd::<f32>::store_ptr(s, h.as_mut_ptr(), v) };
+            for (o, x) in h.iter().zip(lanes) {
+                assert_eq!(o.to_bits(), f16::from_f32(x).to_bits());
+            }
+        }
+    }
+
+    /// `max` and the ReLU mask take the arrays' lane rule: `a` only where `a > b`, so a
+    /// NaN in either gives `b`, and `max(0, -0)` is `-0`.
+    #[test]
+    fn max_and_mask_keep_the_lane_rule() {
+        let s = Portable;
+        let nan = f32::NAN;
+        let a = f32x8::new([1.0, -1.0, nan, 2.0, 0.0, -0.0, 3.0, nan]);
+        let b = f32x8::new([0.0, 0.0, 0.0, nan, -0.0, 0.0, 3.0, nan]);
+        let m = Simd::<f32>::max(s, a, b).to_array();
+        let want = [1.0, 0.0, 0.0, nan, -0.0, 0.0, 3.0, nan];
+        for (g, w) in m.iter().zip(want) {
+            assert_eq!(g.to_bits(), w.to_bits());
+        }
+        let v = f32x8::splat(5.0);
+        let got = Simd::<f32>::mask_positive(s, a, v).to_array();
+        assert_eq!(got, [5.0, 0.0, 0.0, 5.0, 0.0, 0.0, 5.0, 0.0]);
+    }
 }
