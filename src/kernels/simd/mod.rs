@@ -35,7 +35,8 @@ pub use portable::Portable;
 /// An instruction set the kernels can be compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// Portable Rust over arrays of 8 lanes (the compiler vectorizes what it can).
+    /// Portable Rust over 8-lane vectors of the `wide` crate (SSE2 pairs on a baseline
+    /// x86-64 build, NEON on aarch64).
     Scalar,
     /// AVX2 with FMA and F16C, 8 f32 lanes.
     Avx2,
