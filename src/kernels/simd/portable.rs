@@ -79,7 +79,8 @@ macro_rules! portable_simd {
             }
             #[inline(always)]
             fn sum_f64(self, v: $v) -> f64 {
-                // Lane 0 first, as every ISA adds its lanes.
+                // Lane 0 first, as the arrays added them (the bits of the portable ISA
+                // are its own: AVX2 and AVX-512 add their lanes pairwise).
                 v.to_array().iter().map(|&x| f64::from(x)).sum()
             }
             #[inline(always)]
@@ -125,13 +126,8 @@ unsafe fn load_f32<T: Element<Stat = f32>>(p: *const T) -> f32x8 {
     unsafe {
         match T::DTYPE {
             DType::F32 => f32x8::new(p.cast::<[f32; L]>().read_unaligned()),
-            DType::BF16 => {
-                let bits = u32x8::from(u16x8::new(p.cast::<[u16; L]>().read_unaligned()));
-                f32x8::from_bits(bits << 16_u32)
-            }
-            DType::F16 => from_f16_bits(u32x8::from(u16x8::new(
-                p.cast::<[u16; L]>().read_unaligned(),
-            ))),
+            DType::BF16 => f32x8::from_bits(load_bits16(p) << 16_u32),
+            DType::F16 => from_f16_bits(load_bits16(p)),
             _ => f32x8::new(load_lanes(p)),
         }
     }
@@ -149,14 +145,33 @@ unsafe fn store_f32<T: Element<Stat = f32>>(p: *mut T, v: f32x8) {
     unsafe {
         match T::DTYPE {
             DType::F32 => p.cast::<[f32; L]>().write_unaligned(v.to_array()),
-            DType::BF16 => p
-                .cast::<[u16; L]>()
-                .write_unaligned(to_bf16_bits(v).to_array().map(|b| b as u16)),
-            DType::F16 => p
-                .cast::<[u16; L]>()
-                .write_unaligned(to_f16_bits(v).to_array().map(|b| b as u16)),
+            DType::BF16 => store_bits16(p, to_bf16_bits(v)),
+            DType::F16 => store_bits16(p, to_f16_bits(v)),
             _ => store_lanes(p, v.to_array()),
         }
+    }
+}
+
+/// The bits of eight 16-bit elements at `p`, each in the low half of a 32-bit lane.
+///
+/// # Safety
+/// `p` points to 8 readable 16-bit elements.
+#[inline(always)]
+unsafe fn load_bits16<T>(p: *const T) -> u32x8 {
+    // SAFETY: the caller guarantees 8 readable 16-bit elements at `p`.
+    u32x8::from(u16x8::new(unsafe { p.cast::<[u16; L]>().read_unaligned() }))
+}
+
+/// The low halves of `bits`' lanes stored as eight 16-bit elements at `p`.
+///
+/// # Safety
+/// `p` points to 8 writable 16-bit elements.
+#[inline(always)]
+unsafe fn store_bits16<T>(p: *mut T, bits: u32x8) {
+    // SAFETY: the caller guarantees 8 writable 16-bit elements at `p`.
+    unsafe {
+        p.cast::<[u16; L]>()
+            .write_unaligned(bits.to_array().map(|b| b as u16))
     }
 }
 
