@@ -378,6 +378,35 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 8
+        // elements (16 bytes); the 32-byte store is taken only where `p` is tested to
+        // be 32-byte aligned (`cl_stream_align` aligns the first pair of a run; an odd
+        // period of vectors misaligns every other).
+        unsafe {
+            let whole = (p as usize).is_multiple_of(32);
+            match T::DTYPE {
+                DType::BF16 if whole => {
+                    _mm256_stream_si256(p.cast(), to_bf16_even_odd(a, b, self.plain_nans))
+                }
+                DType::F16 if whole => {
+                    let (lo, hi) = (_mm256_cvtps_ph::<RNE>(a), _mm256_cvtps_ph::<RNE>(b));
+                    _mm256_stream_si256(p.cast(), _mm256_set_m128i(hi, lo))
+                }
+                _ => self.stream_pair_ptr(p, a, b),
+            }
+        }
+    }
+    #[inline(always)]
+    fn cl_stream_align<T: Element<Stat = f32>>(self) -> usize {
+        // 16-bit elements: a pair, for one 32-byte non-temporal store a pair
+        // (`stream_pair_cl_ptr`).
+        match T::DTYPE {
+            DType::BF16 | DType::F16 => 2 * L,
+            _ => L,
+        }
+    }
+    #[inline(always)]
     fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m256 {
         let (p, n) = (src.as_ptr(), src.len().min(L));
         // SAFETY: masked loads touch only the first `n` elements, all inside `src`.
