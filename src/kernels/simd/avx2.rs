@@ -363,26 +363,10 @@ impl Simd<f32> for Avx2 {
     #[inline(always)]
     unsafe fn stream_pair_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
         // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 8
-        // elements (16 bytes): two 16-byte non-temporal stores, each aligned, as in
-        // `stream2_ptr` (a 32-byte store where `p` happened to be aligned for it, peeled
-        // so that it was, measured within noise).
-        unsafe {
-            match T::DTYPE {
-                DType::BF16 => {
-                    let v = to_bf16_even_odd(a, b, self.plain_nans);
-                    _mm_stream_si128(p.cast(), _mm256_castsi256_si128(v));
-                    _mm_stream_si128(p.add(L).cast(), _mm256_extracti128_si256::<1>(v));
-                }
-                _ => self.stream2_ptr(p, a, b),
-            }
-        }
-    }
-    #[inline(always)]
-    unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m256, b: __m256) {
-        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to 8
         // elements (16 bytes); the 32-byte store is taken only where `p` is tested to
-        // be 32-byte aligned (`cl_stream_align` aligns the first pair of a run; an odd
-        // period of vectors misaligns every other).
+        // be 32-byte aligned (the elementwise runs align their pairs so:
+        // `pair_stream_align`, `cl_stream_align`; an odd period of vectors misaligns
+        // every other channels-last pair). Otherwise two 16-byte stores.
         unsafe {
             let whole = (p as usize).is_multiple_of(32);
             match T::DTYPE {
@@ -393,14 +377,23 @@ impl Simd<f32> for Avx2 {
                     let (lo, hi) = (_mm256_cvtps_ph::<RNE>(a), _mm256_cvtps_ph::<RNE>(b));
                     _mm256_stream_si256(p.cast(), _mm256_set_m128i(hi, lo))
                 }
-                _ => self.stream_pair_ptr(p, a, b),
+                DType::BF16 => {
+                    let v = to_bf16_even_odd(a, b, self.plain_nans);
+                    _mm_stream_si128(p.cast(), _mm256_castsi256_si128(v));
+                    _mm_stream_si128(p.add(L).cast(), _mm256_extracti128_si256::<1>(v));
+                }
+                _ => self.stream2_ptr(p, a, b),
             }
         }
     }
     #[inline(always)]
+    fn pair_stream_align<T: Element<Stat = f32>>(self) -> usize {
+        self.cl_stream_align::<T>()
+    }
+    #[inline(always)]
     fn cl_stream_align<T: Element<Stat = f32>>(self) -> usize {
         // 16-bit elements: a pair, for one 32-byte non-temporal store a pair
-        // (`stream_pair_cl_ptr`).
+        // (`stream_pair_ptr`).
         match T::DTYPE {
             DType::BF16 | DType::F16 => 2 * L,
             _ => L,

@@ -304,6 +304,13 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         let _ = consts;
         self
     }
+    /// The alignment, in elements of `T`, that a streamed channel-major elementwise run
+    /// gives its pairs ([`Simd::stream_pair_ptr`]): `LANES` (what the non-temporal
+    /// stores need), or `2·LANES` where a pair aligned so is stored whole.
+    #[inline(always)]
+    fn pair_stream_align<T: Element<Stat = U>>(self) -> usize {
+        Self::LANES
+    }
     /// The alignment, in elements of `T`, that the channels-last elementwise passes
     /// give a streamed output before their first whole vector: `LANES` (what the
     /// non-temporal stores need), or more where a wider store is faster.
@@ -633,6 +640,12 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     #[inline(always)]
     pub fn aligned(&self) -> bool {
         (self.out as usize).is_multiple_of(self.reads.lanes * std::mem::size_of::<T>())
+    }
+
+    /// Whether the output starts at a multiple of `bytes`.
+    #[inline(always)]
+    pub fn aligned_to(&self, bytes: usize) -> bool {
+        (self.out as usize).is_multiple_of(bytes)
     }
 
     /// Vector `j` of every input.
