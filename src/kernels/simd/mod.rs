@@ -639,7 +639,7 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     /// Whether the output is aligned to whole vectors (so it may be streamed).
     #[inline(always)]
     pub fn aligned(&self) -> bool {
-        (self.out as usize).is_multiple_of(self.reads.lanes * std::mem::size_of::<T>())
+        self.aligned_to(self.reads.lanes * std::mem::size_of::<T>())
     }
 
     /// Whether the output starts at a multiple of `bytes`.
