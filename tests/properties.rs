@@ -474,73 +474,132 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
     }
 }
 
-/// bf16 channels-last outputs that stream are aligned to a whole 64-byte line with
-/// AVX-512 (`Simd::cl_stream_align`: a head of up to 31 elements, then one 64-byte
-/// store a pair where a pair is a line, two 32-byte ones where an odd period of vectors
-/// leaves it half a line off): the reference's values in every mode, and the same bits
-/// wherever `y` starts. C = 9 (a period of 18 vectors with AVX-512, lcm(C, 2·lanes)),
-/// C = 64, and C = 1000, whose doubled period's constants are too large
+/// 16-bit outputs that stream are aligned to a whole pair of vectors before the pairs are
+/// stored as one (`Simd::cl_stream_align` channels-last: with AVX-512, bf16 takes a
+/// head of up to 31 elements, then one 64-byte store a pair where a pair is a line, two
+/// 32-byte ones where an odd period of vectors leaves it half a line off; with AVX2,
+/// bf16 and f16 take a head of up to 15 elements, then one 32-byte store a pair. And
+/// `Simd::pair_stream_align` channel-major: a row whose pairs are not 32-byte aligned
+/// with AVX2 streams its first vector alone). The reference's values in every mode, and
+/// the same bits wherever the outputs start: forward training and inference, and for
+/// the cases marked so the training and inference gradients (`dx`, and the sums; the
+/// channels-last inference gradient with AVX2 bf16 walks a pixel's vectors in pairs,
+/// its first alone where `dx` is half a pair off 32 bytes: `backward::PairLayout`).
+/// Channels-last C = 9 (a period of 18 vectors with AVX-512, lcm(C, 2·lanes)), C = 64,
+/// and C = 1000, whose doubled period's constants are too large
 /// (`apply::PAIR_PERIOD_CONST_BYTES`): a period of 125 vectors, every other pair off the
-/// line. 52 MB a tensor: streamed on every machine.
+/// line. Channel-major 299x301: rows of an odd number of elements, so they start at
+/// every 2-byte alignment whatever the offset. 52 MB a tensor: streamed on every
+/// machine.
 #[test]
-fn streamed_bf16_outputs_match_reference_and_ignore_alignment() {
-    use half::bf16;
-    for s in [
-        [32usize, 300, 300, 9],
-        [16, 160, 160, 64],
-        [2, 130, 100, 1000],
+fn streamed_16bit_outputs_match_reference_and_ignore_alignment() {
+    use half::{bf16, f16};
+    let nhwc = DataFormat::Nhwc;
+    let nchw = DataFormat::Nchw;
+    for (f, s, backward) in [
+        (nhwc, [32usize, 300, 300, 9], false),
+        (nhwc, [16, 160, 160, 64], true),
+        (nhwc, [2, 130, 100, 1000], false),
+        (nchw, [32, 299, 301, 9], true),
     ] {
-        let (f, c) = (DataFormat::Nhwc, s[3]);
-        let d = data((f, s.to_vec()), DType::BF16, Fill::default(), 7, 1e-3, 1.0);
-        check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{s:?}: {e}"));
-        let case = Case::new(Op::FusedBatchNormV3, f, &s, DType::BF16)
-            .unwrap()
-            .seed(7);
-        let inputs = case.inputs().unwrap();
-        let find = |name: &str| &inputs.iter().find(|(n, _)| *n == name).unwrap().1;
-        let x = find("x").as_slice::<bf16>().unwrap();
-        let (scale, offset) = (slice(&inputs, "scale"), slice(&inputs, "offset"));
-        for isa in Isa::supported() {
-            let p = case.problem().unwrap().with_isa(isa).unwrap();
-            let n = p.len();
-            let run = |o: usize| {
-                let mut y = vec![bf16::ZERO; n + o];
-                let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
-                let training = Forward::Training(TrainingStats {
-                    saved: SavedStats {
-                        mean: &mut mu,
-                        variance: &mut var,
-                    },
-                    running: None,
-                });
-                p.forward(
-                    x,
-                    Affine { scale, offset },
-                    training,
-                    Epilogue::plain(),
-                    &mut y[o..],
-                )
-                .unwrap();
-                let mut yi = vec![bf16::ZERO; n + o];
-                let inference = Forward::Inference(Statistics {
-                    mean: &mu,
-                    variance: &var,
-                });
-                p.forward(
-                    x,
-                    Affine { scale, offset },
-                    inference,
-                    Epilogue::plain(),
-                    &mut yi[o..],
-                )
-                .unwrap();
-                let bits = |v: &[bf16]| v.iter().map(|e| e.to_bits()).collect::<Vec<u16>>();
-                (bits(&y[o..]), bits(&yi[o..]), mu, var)
+        offsets_16bit::<bf16>(DType::BF16, f, s, backward, bf16::to_bits);
+    }
+    for (f, s) in [(nhwc, [32usize, 300, 300, 9]), (nchw, [32, 299, 301, 9])] {
+        offsets_16bit::<f16>(DType::F16, f, s, true, f16::to_bits);
+    }
+}
+
+/// One case of [`streamed_16bit_outputs_match_reference_and_ignore_alignment`].
+fn offsets_16bit<T: fusedbn::Element<Stat = f32>>(
+    dtype: DType,
+    f: DataFormat,
+    s: [usize; 4],
+    backward: bool,
+    bits: fn(T) -> u16,
+) {
+    let c = s[3];
+    let d = data((f, s.to_vec()), dtype, Fill::default(), 7, 1e-3, 1.0);
+    check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{dtype} {f} {s:?}: {e}"));
+    let case = Case::new(Op::FusedBatchNormV3, f, &s, dtype)
+        .unwrap()
+        .seed(7);
+    let inputs = case.inputs().unwrap();
+    let grad = Case::new(Op::FusedBatchNormGradV3, f, &s, dtype)
+        .unwrap()
+        .seed(7);
+    let grad_inputs = grad.inputs().unwrap();
+    let find = |inputs: &[(&'static str, Tensor)], name: &str| {
+        let t = &inputs.iter().find(|(n, _)| *n == name).unwrap().1;
+        t.as_slice::<T>().unwrap().to_vec()
+    };
+    let (x, dy) = (find(&inputs, "x"), find(&grad_inputs, "y_backprop"));
+    let (scale, offset) = (slice(&inputs, "scale"), slice(&inputs, "offset"));
+    let (x, dy) = (&x[..], &dy[..]);
+    let all = |v: &[T]| v.iter().map(|&e| bits(e)).collect::<Vec<u16>>();
+    for isa in Isa::supported() {
+        let p = case.problem().unwrap().with_isa(isa).unwrap();
+        let n = p.len();
+        let run = |o: usize| {
+            let mut y = vec![T::default(); n + o];
+            let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+            let training = Forward::Training(TrainingStats {
+                saved: SavedStats {
+                    mean: &mut mu,
+                    variance: &mut var,
+                },
+                running: None,
+            });
+            p.forward(
+                x,
+                Affine { scale, offset },
+                training,
+                Epilogue::plain(),
+                &mut y[o..],
+            )
+            .unwrap();
+            let mut yi = vec![T::default(); n + o];
+            let stats = || Statistics {
+                mean: &mu,
+                variance: &var,
             };
-            let base = run(0);
-            for o in [1, 9, 16, 17, 31] {
-                assert!(run(o) == base, "{s:?} {isa}: offset {o} changes the result");
+            p.forward(
+                x,
+                Affine { scale, offset },
+                Forward::Inference(stats()),
+                Epilogue::plain(),
+                &mut yi[o..],
+            )
+            .unwrap();
+            let mut out = vec![all(&y[o..]), all(&yi[o..])];
+            let mut sums = vec![mu.clone(), var.clone()];
+            if backward {
+                for mode in [Backward::Training(stats()), Backward::Inference(stats())] {
+                    let mut dx = vec![T::default(); n + o];
+                    let (mut ds, mut db) = (vec![0f32; c], vec![0f32; c]);
+                    p.backward(
+                        GradInputs { y_backprop: dy, x },
+                        scale,
+                        mode,
+                        GradEpilogue::default(),
+                        Gradients {
+                            x: &mut dx[o..],
+                            scale: &mut ds,
+                            offset: &mut db,
+                        },
+                    )
+                    .unwrap();
+                    out.push(all(&dx[o..]));
+                    sums.extend([ds, db]);
+                }
             }
+            (out, sums)
+        };
+        let base = run(0);
+        for o in [1, 8, 9, 16, 17, 31] {
+            assert!(
+                run(o) == base,
+                "{dtype} {f} {s:?} {isa}: offset {o} changes the result"
+            );
         }
     }
 }

@@ -507,6 +507,102 @@ fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const ST
     period_out::<U, S, T, N, STREAM>(s, w, 0, total, consts, a, b);
 }
 
+/// [`pixel_out`] in the ISA's pair order ([`Simd::pair_even_odd`]: AVX2 bf16, where a
+/// pair loads with one shift and one mask and narrows without a cross-lane shuffle):
+/// vectors `lead + 2i` and `lead + 2i + 1` as one pair each, against constants and sums
+/// laid out so ([`PairLayout`]); vector 0 (where `lead` is 1) and an odd last vector
+/// alone, in memory order. `lead` 1 puts the pairs of a streamed `dx` whose pixels start
+/// half a pair off 32 bytes on whole 32-byte stores ([`Simd::stream_pair_ptr`]).
+#[inline(always)]
+fn pixel_out_pairs<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const N: usize,
+    const STREAM: bool,
+>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    lead: usize,
+    consts: &Reads<'_, U, 2>,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let total = w.vectors();
+    assert!(lead <= total && w.reads.lanes_of(s));
+    if lead == 1 {
+        single_out::<U, S, T, N, STREAM>(s, w, 0, consts, a, b);
+    }
+    let pairs = (total - lead) / 2;
+    for i in 0..pairs {
+        let g = lead + 2 * i;
+        let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
+        // SAFETY: `g + 1 < lead + 2·pairs <= total`; lanes checked above.
+        let (p, q) = unsafe { w.reads.load_pair_unchecked(s, g) };
+        let d = fold(s, &p, mv, &mut a[g], &mut b[g]);
+        let e = fold(s, &q, mw, &mut a[g + 1], &mut b[g + 1]);
+        // SAFETY: as the load; streamed only where `w` is aligned (the caller's test).
+        unsafe { w.store_pair_unchecked::<S, STREAM>(s, g, s.mul(d, kv), s.mul(e, kw)) };
+    }
+    if lead + 2 * pairs < total {
+        single_out::<U, S, T, N, STREAM>(s, w, total - 1, consts, a, b);
+    }
+}
+
+/// Vector `g` of `w` alone, in memory order: sums into `a[g]`, `b[g]` and `dx = dy·k1`.
+/// (A function, not a closure: a closure does not inherit the caller's target features,
+/// and its intrinsics were calls: `pixel_out_pairs` ran NHWC backward inference bf16
+/// with AVX2 at 2.5–7.4 times the time of the loop it replaced.)
+#[inline(always)]
+fn single_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    g: usize,
+    consts: &Reads<'_, U, 2>,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let [mv, kv] = consts.load(s, g);
+    let d = fold(s, &w.load(s, g), mv, &mut a[g], &mut b[g]);
+    w.store::<S, STREAM>(s, g, s.mul(d, kv));
+}
+
+/// Which vectors of a pixel [`pixel_out_pairs`] takes as pairs, and so which groups of
+/// constants and sums hold their lanes in pair order: `count` pairs from vector `lead`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PairLayout {
+    lead: usize,
+    count: usize,
+}
+
+impl PairLayout {
+    /// Pair `i`'s `2·lanes` values of `v` from memory order to pair order (`even` first
+    /// and then `odd`: [`Simd::pair_even_odd`]).
+    fn pair_order<U: Copy>(self, v: &mut [U], lanes: usize) {
+        for i in 0..self.count {
+            let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
+            let memory = block.to_vec();
+            for (j, e) in memory.chunks_exact(2).enumerate() {
+                block[j] = e[0];
+                block[lanes + j] = e[1];
+            }
+        }
+    }
+
+    /// The inverse of [`PairLayout::pair_order`] (the sums' lanes back to memory order).
+    fn memory_order<U: Copy>(self, v: &mut [U], lanes: usize, scratch: &mut Vec<U>) {
+        for i in 0..self.count {
+            let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
+            scratch.clear();
+            scratch.extend_from_slice(block);
+            for j in 0..lanes {
+                block[2 * j] = scratch[j];
+                block[2 * j + 1] = scratch[lanes + j];
+            }
+        }
+    }
+}
+
 /// Vectors `j0..j0 + m` of `w` against groups `0..m` of `consts` and of the sums `a`,
 /// `b` (one pixel, or one period of a rotated run): sums and `dx = dy·k1`.
 #[inline(always)]
@@ -775,11 +871,35 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         p.resize(groups * l, U::ZERO);
         p
     };
-    let mean_p = padded(mean);
-    let k1_p = padded(dx.as_ref().map_or(&[][..], |d| d.1));
-    let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
+    let mut mean_p = padded(mean);
+    let mut k1_p = padded(dx.as_ref().map_or(&[][..], |d| d.1));
     let tile = pixels_per_tile(c) * c;
     let size = std::mem::size_of::<T>();
+    // With dx, where the ISA has a cheaper pair order (AVX2 bf16), the pixel walk takes
+    // its vectors in pairs (`pixel_out_pairs`), the constants laid out to match (they
+    // serve only that walk then: without dx the walks below load single vectors). A
+    // streamed dx whose pixels are whole pairs and start half a pair off 32 bytes takes
+    // its first vector alone, so that every pair is one 32-byte store. Each channel
+    // still adds its elements in one lane in the same order: the same bits.
+    let whole = c / l;
+    let pair_layout = (dx.is_some() && s.pair_even_odd::<T>()).then(|| {
+        let off = dx
+            .as_ref()
+            .map_or(0, |(o, _)| o.as_ptr() as usize % (2 * l * size));
+        let lead = usize::from(
+            S::HINTS && stream && c.is_multiple_of(2 * l) && off == l * size && whole > 0,
+        );
+        PairLayout {
+            lead,
+            count: (whole - lead) / 2,
+        }
+    });
+    if let Some(p) = pair_layout {
+        p.pair_order(&mut mean_p, l);
+        p.pair_order(&mut k1_p, l);
+    }
+    let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
+    let mut scratch = Vec::new();
     // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
     // of the lanes with a short period; C a multiple of the lanes where a streamed dx
     // starts off a vector boundary (the constants rotated by the `h` channels before it).
@@ -885,10 +1005,20 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
-                        if stream_px && w.aligned() {
-                            pixel_out::<U, S, T, N, true>(s, &mut w, &consts, &mut a, &mut b);
-                        } else {
-                            pixel_out::<U, S, T, N, false>(s, &mut w, &consts, &mut a, &mut b);
+                        let (ca, cb) = (&mut a[..], &mut b[..]);
+                        match (pair_layout, stream_px && w.aligned()) {
+                            (Some(p), true) => pixel_out_pairs::<U, S, T, N, true>(
+                                s, &mut w, p.lead, &consts, ca, cb,
+                            ),
+                            (Some(p), false) => pixel_out_pairs::<U, S, T, N, false>(
+                                s, &mut w, p.lead, &consts, ca, cb,
+                            ),
+                            (None, true) => {
+                                pixel_out::<U, S, T, N, true>(s, &mut w, &consts, ca, cb)
+                            }
+                            (None, false) => {
+                                pixel_out::<U, S, T, N, false>(s, &mut w, &consts, ca, cb)
+                            }
                         }
                         w.tail()
                     };
@@ -907,6 +1037,11 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         for gi in 0..used {
             s.store(&mut la[gi * l..], a[gi]);
             s.store(&mut lb[gi * l..], b[gi]);
+        }
+        if let (Some(p), None) = (pair_layout, periodic.as_ref()) {
+            // The pixel walk's pairs (a periodic tile's lanes are in memory order).
+            p.memory_order(la, l, &mut scratch);
+            p.memory_order(lb, l, &mut scratch);
         }
         // Lane j holds the elements at `(h + j) mod w` of every w elements, in order
         // (w = per·LANES periodic, else C with h = 0): folded by that residue, so that
