@@ -519,7 +519,25 @@ fn offsets_16bit<T: fusedbn::Element<Stat = f32>>(
 ) {
     let c = s[3];
     let d = data((f, s.to_vec()), dtype, Fill::default(), 7, 1e-3, 1.0);
-    check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{dtype} {f} {s:?}: {e}"));
+    // The reference check: every mode for the bf16 channels-last cases (as this test
+    // ran before it took f16 and NCHW), else the modes the offsets below run (every
+    // mode took minutes more).
+    let full = dtype == DType::BF16 && f == DataFormat::Nhwc;
+    if full {
+        check_all(&d, 3, false, false).unwrap_or_else(|e| panic!("{dtype} {f} {s:?}: {e}"));
+    }
+    for training in [true, false].into_iter().filter(|_| !full) {
+        let ops = [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3];
+        for op in &ops[..1 + usize::from(backward)] {
+            let mode = Mode {
+                op: *op,
+                training,
+                side: false,
+                relu: false,
+            };
+            check_mode(&d, mode).unwrap_or_else(|e| panic!("{dtype} {f} {s:?}: {e}"));
+        }
+    }
     let case = Case::new(Op::FusedBatchNormV3, f, &s, dtype)
         .unwrap()
         .seed(7);
@@ -536,7 +554,9 @@ fn offsets_16bit<T: fusedbn::Element<Stat = f32>>(
     let (scale, offset) = (slice(&inputs, "scale"), slice(&inputs, "offset"));
     let (x, dy) = (&x[..], &dy[..]);
     let all = |v: &[T]| v.iter().map(|&e| bits(e)).collect::<Vec<u16>>();
-    for isa in Isa::supported() {
+    // The portable ISA writes no output with non-temporal stores (no `Simd::HINTS`):
+    // nothing here depends on alignment there, and the reference check above ran it.
+    for isa in Isa::supported().into_iter().filter(|&i| i != Isa::Scalar) {
         let p = case.problem().unwrap().with_isa(isa).unwrap();
         let n = p.len();
         let run = |o: usize| {
@@ -595,7 +615,9 @@ fn offsets_16bit<T: fusedbn::Element<Stat = f32>>(
             (out, sums)
         };
         let base = run(0);
-        for o in [1, 8, 9, 16, 17, 31] {
+        // 2, 16, 32 and 62 bytes: a vector off and half a pair off with AVX2, half a
+        // line off and a head of 31 elements with AVX-512.
+        for o in [1, 8, 16, 31] {
             assert!(
                 run(o) == base,
                 "{dtype} {f} {s:?} {isa}: offset {o} changes the result"
