@@ -410,6 +410,11 @@ fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
     // Two vectors folded in order into the same sums (the bits of one at a time), their
     // `dx` stored together: one narrowing for both where the ISA packs pairs (AVX-512
     // bf16: one `vcvtne2ps2bf16` instead of two roundings by shifts and `vpmovdw`s).
+    // Streamed 16-bit pairs with AVX2 go out as two 16-byte stores. One 32-byte store
+    // where a pair is so aligned, a run's first vector alone where not (as
+    // `apply::splat_body`), was measured no faster: Intel Xeon, `--isa avx2`,
+    // `scripts/ab.sh 7`, NCHW 64x256x56x56 / 64x64x112x112 backward inference, time ÷
+    // copy, bf16 1.100 / 0.902 -> 1.092 / 0.896, f16 1.044 / 0.887 -> 1.038 / 0.827.
     let total = w.vectors();
     // Streamed (inputs from DRAM): every input prefetched STREAM_AHEAD_BYTES ahead, one
     // hint per line, as the elementwise passes and the channels-last inference gradient
