@@ -582,11 +582,15 @@ struct PairLayout {
 
 impl PairLayout {
     /// Pair `i`'s `2·lanes` values of `v` from memory order to pair order (`even` first
-    /// and then `odd`: [`Simd::pair_even_odd`]).
-    fn pair_order<U: Copy>(self, v: &mut [U], lanes: usize) {
+    /// and then `odd`: [`Simd::pair_even_odd`]). `lanes` is at most 16.
+    fn pair_order<U: Real>(self, v: &mut [U], lanes: usize) {
+        // A copy of each block on the stack, not an allocation (as `apply::Pattern`:
+        // this runs once per call, and small tensors take microseconds).
+        let mut memory = [U::ZERO; 32];
+        let memory = &mut memory[..2 * lanes];
         for i in 0..self.count {
             let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
-            let memory = block.to_vec();
+            memory.copy_from_slice(block);
             for (j, e) in memory.chunks_exact(2).enumerate() {
                 block[j] = e[0];
                 block[lanes + j] = e[1];
@@ -595,11 +599,12 @@ impl PairLayout {
     }
 
     /// The inverse of [`PairLayout::pair_order`] (the sums' lanes back to memory order).
-    fn memory_order<U: Copy>(self, v: &mut [U], lanes: usize, scratch: &mut Vec<U>) {
+    fn memory_order<U: Real>(self, v: &mut [U], lanes: usize) {
+        let mut scratch = [U::ZERO; 32];
+        let scratch = &mut scratch[..2 * lanes];
         for i in 0..self.count {
             let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
-            scratch.clear();
-            scratch.extend_from_slice(block);
+            scratch.copy_from_slice(block);
             for j in 0..lanes {
                 block[2 * j] = scratch[j];
                 block[2 * j + 1] = scratch[lanes + j];
@@ -904,7 +909,6 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         p.pair_order(&mut k1_p, l);
     }
     let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
-    let mut scratch = Vec::new();
     // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
     // of the lanes with a short period; C a multiple of the lanes where a streamed dx
     // starts off a vector boundary (the constants rotated by the `h` channels before it).
@@ -1045,8 +1049,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
         if let (Some(p), None) = (pair_layout, periodic.as_ref()) {
             // The pixel walk's pairs (a periodic tile's lanes are in memory order).
-            p.memory_order(la, l, &mut scratch);
-            p.memory_order(lb, l, &mut scratch);
+            p.memory_order(la, l);
+            p.memory_order(lb, l);
         }
         // Lane j holds the elements at `(h + j) mod w` of every w elements, in order
         // (w = per·LANES periodic, else C with h = 0): folded by that residue, so that
