@@ -581,33 +581,27 @@ struct PairLayout {
 }
 
 impl PairLayout {
-    /// Pair `i`'s `2·lanes` values of `v` from memory order to pair order (`even` first
-    /// and then `odd`: [`Simd::pair_even_odd`]). `lanes` is at most 16.
-    fn pair_order<U: Real>(self, v: &mut [U], lanes: usize) {
+    /// Each pair's `2·lanes` values of `v` from memory order to pair order (`even` first
+    /// and then `odd`: [`Simd::pair_even_odd`]), or back with `!to_pairs` (the sums'
+    /// lanes at a flush). `lanes` is at most 16.
+    fn reorder<U: Real>(self, v: &mut [U], lanes: usize, to_pairs: bool) {
         // A copy of each block on the stack, not an allocation (as `apply::Pattern`:
         // this runs once per call, and small tensors take microseconds).
-        let mut memory = [U::ZERO; 32];
-        let memory = &mut memory[..2 * lanes];
+        let mut copy = [U::ZERO; 32];
+        let copy = &mut copy[..2 * lanes];
         for i in 0..self.count {
             let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
-            memory.copy_from_slice(block);
-            for (j, e) in memory.chunks_exact(2).enumerate() {
-                block[j] = e[0];
-                block[lanes + j] = e[1];
-            }
-        }
-    }
-
-    /// The inverse of [`PairLayout::pair_order`] (the sums' lanes back to memory order).
-    fn memory_order<U: Real>(self, v: &mut [U], lanes: usize) {
-        let mut scratch = [U::ZERO; 32];
-        let scratch = &mut scratch[..2 * lanes];
-        for i in 0..self.count {
-            let block = &mut v[(self.lead + 2 * i) * lanes..][..2 * lanes];
-            scratch.copy_from_slice(block);
+            copy.copy_from_slice(block);
             for j in 0..lanes {
-                block[2 * j] = scratch[j];
-                block[2 * j + 1] = scratch[lanes + j];
+                // Element 2j of the pair is lane j of the even half, 2j + 1 of the odd.
+                let (memory, pair) = ([2 * j, 2 * j + 1], [j, lanes + j]);
+                let (to, from) = if to_pairs {
+                    (pair, memory)
+                } else {
+                    (memory, pair)
+                };
+                block[to[0]] = copy[from[0]];
+                block[to[1]] = copy[from[1]];
             }
         }
     }
@@ -896,17 +890,15 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         let off = dx
             .as_ref()
             .map_or(0, |(o, _)| o.as_ptr() as usize % (2 * l * size));
-        let lead = usize::from(
-            S::HINTS && stream && c.is_multiple_of(2 * l) && off == l * size && whole > 0,
-        );
+        let lead = usize::from(stream && c.is_multiple_of(2 * l) && off == l * size && whole > 0);
         PairLayout {
             lead,
             count: (whole - lead) / 2,
         }
     });
     if let Some(p) = pair_layout {
-        p.pair_order(&mut mean_p, l);
-        p.pair_order(&mut k1_p, l);
+        p.reorder(&mut mean_p, l, true);
+        p.reorder(&mut k1_p, l, true);
     }
     let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
     // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
@@ -1049,8 +1041,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
         if let (Some(p), None) = (pair_layout, periodic.as_ref()) {
             // The pixel walk's pairs (a periodic tile's lanes are in memory order).
-            p.memory_order(la, l);
-            p.memory_order(lb, l);
+            p.reorder(la, l, false);
+            p.reorder(lb, l, false);
         }
         // Lane j holds the elements at `(h + j) mod w` of every w elements, in order
         // (w = per·LANES periodic, else C with h = 0): folded by that residue, so that
