@@ -119,7 +119,12 @@ pub const STREAM_ROW_BYTES: usize = 1024;
 /// slot, and one per vector of each pixel (four per line for 16-bit data with AVX2) made
 /// the bf16 statistics of 64x56x56x256 from DRAM 7.69 ms on a Zen 3 against 5.50 with
 /// one per line (f16 7.39 -> 5.42; in L3, one thread, 16x28x28x512 bf16 0.92 -> 0.82
-/// ms).
+/// ms). Twice as far (16 KiB) was measured on an Intel Xeon (AVX-512, 2 MiB L2) on
+/// 2026-11-28, for every user of this constant and for the in-memory-accumulator
+/// statistics alone (`scripts/ab.sh 4` and `5` against 8 KiB, NHWC forward training,
+/// DRAM and in-cache shapes): cells moved by -0.5 to +0.5 of a copy in both directions,
+/// no more than the 8 KiB build moved between runs that hour (64x56x56x256 bf16 AVX2
+/// 1.49, 1.96, 1.69); not taken.
 pub(crate) const PREFETCH_BYTES: usize = 8192;
 
 /// The most last-level cache [`llc_bytes`] counts on, whatever the machine reports. A
