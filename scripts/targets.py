@@ -153,7 +153,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="runs of the whole grid (default 3)")
     ap.add_argument("--isa", default="avx512,avx2",
                     help="ISAs, comma-separated; those this CPU lacks are skipped")
-    ap.add_argument("--dtype", default=",".join(DTYPES))
+    ap.add_argument("--dtype", default=",".join(DTYPES), help="dtypes, comma-separated (default f32,bf16,f16)")
     ap.add_argument("--shape", action="append", help=f"N,H,W,C (repeatable; default {SHAPES})")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per case and round")
     ap.add_argument("--bin", default=os.path.join("target", "release", "fusedbn"))
