@@ -122,9 +122,11 @@ pub const STREAM_ROW_BYTES: usize = 1024;
 /// ms). Twice as far (16 KiB) was measured on an Intel Xeon (AVX-512, 2 MiB L2) on
 /// 2026-11-28, for every user of this constant and for the in-memory-accumulator
 /// statistics alone (`scripts/ab.sh 4` and `5` against 8 KiB, NHWC forward training,
-/// DRAM and in-cache shapes): cells moved by -0.5 to +0.5 of a copy in both directions,
-/// no more than the 8 KiB build moved between runs that hour (64x56x56x256 bf16 AVX2
-/// 1.49, 1.96, 1.69); not taken.
+/// DRAM and in-cache shapes, AVX-512 and AVX2; also NHWC inference and backward and NCHW
+/// forward inference for every user): the forward training cells moved by -0.50 to
+/// +0.53 of a copy in both directions, about as much as the 8 KiB build moved between
+/// runs that hour (64x56x56x256 bf16 AVX2 1.49, 1.96, 1.69), the other ops within
+/// ±0.12; not taken.
 pub(crate) const PREFETCH_BYTES: usize = 8192;
 
 /// The most last-level cache [`llc_bytes`] counts on, whatever the machine reports. A
