@@ -87,12 +87,38 @@ unsafe fn to_bf16x2(s: Avx512, a: __m512, b: __m512) -> __m512i {
     }
 }
 
+/// Two vectors as 32 elements of a 16-bit `T` (`a` first), in one 64-byte vector: the
+/// bits of two [`Simd::store_ptr`]s, for one non-temporal store of a whole line.
+///
+/// Where a streamed 16-bit pair starts a line, one 64-byte store instead of two 32-byte
+/// ones (or, channels-last f16, four 16-byte ones), in every pass that streams. On the
+/// Intel Xeon (AVX-512, 2 MiB L2 a core, 2 threads), `scripts/ab.sh 7 "--shape
+/// 64,56,56,256 --shape 64,112,112,64 --format NCHW,NHWC --op
+/// forward_inference,forward_training,backward_training,backward_inference --dtype
+/// f16,bf16 --isa avx512 --min-time 0.25"`, time ÷ copy: NHWC f16 forward inference
+/// 0.910 -> 0.783 and 0.867 -> 0.786, forward training 1.576 -> 1.501 and 1.457 ->
+/// 1.375; NCHW forward training bf16 64x64x112x112 1.262 -> 1.110, f16 1.208 -> 1.141;
+/// NCHW inference gradient 64x256x56x56 bf16 1.099 -> 1.032, f16 1.028 -> 0.954; 27
+/// of the 32 cells as fast or faster, the other five slower by at most 0.044 (NHWC bf16
+/// backward training 64x56x56x256 1.352 -> 1.396).
+#[inline(always)]
+unsafe fn pack16<T: Element<Stat = f32>>(s: Avx512, a: __m512, b: __m512) -> __m512i {
+    match T::DTYPE {
+        DType::F16 => _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm512_cvtps_ph::<RNE>(a)),
+            _mm512_cvtps_ph::<RNE>(b),
+        ),
+        _ => to_bf16x2(s, a, b),
+    }
+}
+
 /// 32 bytes as two 16-byte non-temporal stores instead of one 32-byte store: the
 /// channels-last f16 passes that stream were faster so on a Zen 4 (AVX-512 on 256-bit
 /// units), from DRAM, 2 threads (`scripts/ab.sh 5`, NHWC forward inference f16, time ÷
 /// copy: 64x112x112x64 0.97 -> 0.87, 64x56x56x256 0.94 -> 0.84). The same stores were
 /// slower in the channel-major passes (f16 0.82 -> 0.89) and for bf16 (0.85 -> 0.92 to
-/// 0.98) in the same run, so only this path takes them.
+/// 0.98) in the same run, so only this path takes them, and since whole-line stores
+/// (`pack16`) only for a pair half a line off (every other pair of an odd period).
 ///
 /// # Safety
 /// 32 writable bytes at `p`, aligned to 16 bytes.
@@ -222,10 +248,13 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     unsafe fn stream2_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m512, b: __m512) {
         // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to 16
-        // elements: two 32-byte non-temporal stores, each aligned (p may not be 64-byte
-        // aligned, so not one 64-byte store).
+        // elements. 16-bit: one 64-byte non-temporal store where `p` is tested to be
+        // 64-byte aligned (a whole line), else two 32-byte ones, each aligned.
         unsafe {
             match T::DTYPE {
+                DType::BF16 | DType::F16 if (p as usize).is_multiple_of(64) => {
+                    _mm512_stream_si512(p.cast(), pack16::<T>(self, a, b))
+                }
                 DType::BF16 => {
                     let v = to_bf16x2(self, a, b);
                     _mm256_stream_si256(p.cast(), _mm512_castsi512_si256(v));
@@ -239,20 +268,26 @@ impl Simd<f32> for Avx512 {
         }
     }
     #[inline(always)]
+    fn pair_stream_align<T: Element<Stat = f32>>(self) -> usize {
+        // 16-bit: a line, for one 64-byte store a pair (`stream2_ptr`).
+        match T::DTYPE {
+            DType::BF16 | DType::F16 => 2 * L,
+            _ => L,
+        }
+    }
+    #[inline(always)]
     unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m512, b: __m512) {
         // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to 16
         // elements (32 or 64 bytes; the 16-byte quarters need less); the 64-byte store
         // is taken only where `p` is tested to be 64-byte aligned.
         unsafe {
             match T::DTYPE {
+                DType::BF16 | DType::F16 if (p as usize).is_multiple_of(64) => {
+                    _mm512_stream_si512(p.cast(), pack16::<T>(self, a, b))
+                }
                 DType::F16 => {
                     stream_quarters(p.cast(), _mm512_cvtps_ph::<RNE>(a));
                     stream_quarters(p.add(L).cast(), _mm512_cvtps_ph::<RNE>(b));
-                }
-                // One 64-byte store where the pair is a whole line (`cl_stream_align`
-                // aligns the first; an odd period of vectors misaligns every other).
-                DType::BF16 if (p as usize).is_multiple_of(64) => {
-                    _mm512_stream_si512(p.cast(), to_bf16x2(self, a, b))
                 }
                 _ => self.stream_pair_ptr(p, a, b),
             }
@@ -260,12 +295,7 @@ impl Simd<f32> for Avx512 {
     }
     #[inline(always)]
     fn cl_stream_align<T: Element<Stat = f32>>(self) -> usize {
-        // bf16: a line (see `stream_pair_cl_ptr`).
-        if T::DTYPE == DType::BF16 {
-            2 * L
-        } else {
-            L
-        }
+        self.pair_stream_align::<T>()
     }
     #[inline(always)]
     fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m512 {

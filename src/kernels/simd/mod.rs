@@ -356,9 +356,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         unsafe { self.stream2_ptr(p, a, b) }
     }
     /// As [`Simd::stream_pair_ptr`], for the channels-last elementwise passes, where
-    /// AVX-512 stores f16 pairs as four 16-byte non-temporal stores
-    /// (`avx512::stream_quarters`) and bf16 pairs that start a 64-byte line as one
-    /// 64-byte store ([`Simd::cl_stream_align`]).
+    /// AVX-512 stores 16-bit pairs that start a 64-byte line as one 64-byte store
+    /// ([`Simd::cl_stream_align`] aligns the first) and f16 pairs half a line off as
+    /// four 16-byte non-temporal stores (`avx512::stream_quarters`).
     ///
     /// # Safety
     /// As [`Simd::stream_pair_ptr`].
