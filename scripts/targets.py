@@ -92,9 +92,13 @@ def key(rec):
 
 def score(records):
     runs = collections.defaultdict(list)
+    # Each cell's figure by round (records without a round, as `fusedbn bench --json`
+    # output given to --from, count as their own round each).
+    by_round = collections.defaultdict(dict)
     bad = [r for r in records if r.get("check", "ok") != "ok"]
-    for r in records:
+    for i, r in enumerate(records):
         runs[key(r)].append(r["copy_ratio"])
+        by_round[key(r)][r.get("round", f"record {i}")] = r["copy_ratio"]
     med = {k: statistics.median(v) for k, v in runs.items()}
     cells = {}
     for k, v in runs.items():
@@ -108,7 +112,15 @@ def score(records):
         else:
             target = TARGETS[op][1 if last else 0]
         m = med[k]
+        # Missed in every round: an Ex cell against 1.2x its plain op's figure of the
+        # same round where that round has one.
+        base_rounds = by_round.get((EX[op],) + k[1:], {}) if op in EX else {}
+        always = all(
+            val > (EX_FACTOR * base_rounds[rnd] if rnd in base_rounds else target) + 1e-9
+            for rnd, val in by_round[k].items()
+        )
         cells[k] = {
+            "always": always,
             "median": m,
             "target": target,
             "miss": m > target + 1e-9,
@@ -200,8 +212,10 @@ def main():
     misses = sum(c["miss"] for c in cells.values())
     undecided = sum(c["undecided"] for c in cells.values())
     rounds = sorted({c["rounds"] for c in cells.values()})
+    always = sum(c["always"] for c in cells.values())
     print(f"\nMissed: {misses} of {len(cells)} cells (median of {'/'.join(map(str, rounds))} "
-          f"rounds each); {undecided} cells had rounds on both sides of their target (`?`).")
+          f"rounds each); {undecided} cells had rounds on both sides of their target (`?`); "
+          f"{always} missed in every round.")
     if bad:
         print(f"{len(bad)} records did not match the reference: "
               + ", ".join(sorted({' '.join(map(str, key(r))) for r in bad})))
