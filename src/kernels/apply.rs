@@ -386,9 +386,9 @@ fn splat_body<
     // Streamed, where the ISA stores a pair whole only from a wider alignment than a
     // vector's (`Simd::pair_stream_align`: 16-bit, 32 bytes with AVX2 and 64 with
     // AVX-512) and the run is not so aligned: its first vector alone, so that every
-    // pair after it is. (Not a longer
-    // head of ordinary stores: a row's first line then mixed them with non-temporal
-    // ones, and NCHW 64x256x56x56 forward inference went from 0.88 to 1.29 of a copy.)
+    // pair after it is. (Not a longer head of ordinary stores: a row's first line then
+    // mixed them with non-temporal ones, and NCHW 64x256x56x56 forward inference went
+    // from 0.88 to 1.29 of a copy.)
     // (Known at compile time where the alignment is a vector's: those loops are as they
     // were.)
     let pair_align = s.pair_stream_align::<T>();
