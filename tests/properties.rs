@@ -475,12 +475,13 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
 }
 
 /// 16-bit outputs that stream are aligned to a whole pair of vectors before the pairs are
-/// stored as one (`Simd::cl_stream_align` channels-last: with AVX-512, bf16 takes a
-/// head of up to 31 elements, then one 64-byte store a pair where a pair is a line, two
-/// 32-byte ones where an odd period of vectors leaves it half a line off; with AVX2,
-/// bf16 and f16 take a head of up to 15 elements, then one 32-byte store a pair. And
-/// `Simd::pair_stream_align` channel-major: a row whose pairs are not 32-byte aligned
-/// with AVX2 streams its first vector alone). The reference's values in every mode, and
+/// stored as one (`Simd::cl_stream_align` channels-last: with AVX-512, bf16 and f16
+/// take a head of up to 31 elements, then one 64-byte store a pair where a pair is a
+/// line; where an odd period of vectors leaves it half a line off, bf16 two 32-byte
+/// stores and f16 four 16-byte ones; with AVX2, bf16 and f16 take a head of up to 15
+/// elements, then one 32-byte store a pair. And `Simd::pair_stream_align`
+/// channel-major: a row whose pairs are not a pair's bytes aligned (32 with AVX2, 64
+/// with AVX-512) streams its first vector alone). The reference's values in every mode, and
 /// the same bits wherever the outputs start: forward training and inference, and for
 /// the cases marked so the training and inference gradients (`dx`, and the sums; the
 /// channels-last inference gradient with AVX2 bf16 walks a pixel's vectors in pairs,
@@ -504,8 +505,12 @@ fn streamed_16bit_outputs_match_reference_and_ignore_alignment() {
     ] {
         offsets_16bit::<bf16>(DType::BF16, f, s, backward, bf16::to_bits);
     }
-    for (f, s) in [(nhwc, [32usize, 300, 300, 9]), (nchw, [32, 299, 301, 9])] {
-        offsets_16bit::<f16>(DType::F16, f, s, true, f16::to_bits);
+    for (f, s, backward) in [
+        (nhwc, [32usize, 300, 300, 9], true),
+        (nhwc, [2, 130, 100, 1000], false),
+        (nchw, [32, 299, 301, 9], true),
+    ] {
+        offsets_16bit::<f16>(DType::F16, f, s, backward, f16::to_bits);
     }
 }
 

@@ -278,18 +278,16 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     unsafe fn stream_pair_cl_ptr<T: Element<Stat = f32>>(self, p: *mut T, a: __m512, b: __m512) {
         // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to 16
-        // elements (32 or 64 bytes; the 16-byte quarters need less); the 64-byte store
-        // is taken only where `p` is tested to be 64-byte aligned.
+        // elements (32 or 64 bytes; the 16-byte quarters need less). A pair that starts
+        // a line is `stream2_ptr`'s one 64-byte store; only an f16 pair half a line off
+        // differs from it.
         unsafe {
             match T::DTYPE {
-                DType::BF16 | DType::F16 if (p as usize).is_multiple_of(64) => {
-                    _mm512_stream_si512(p.cast(), pack16::<T>(self, a, b))
-                }
-                DType::F16 => {
+                DType::F16 if !(p as usize).is_multiple_of(64) => {
                     stream_quarters(p.cast(), _mm512_cvtps_ph::<RNE>(a));
                     stream_quarters(p.add(L).cast(), _mm512_cvtps_ph::<RNE>(b));
                 }
-                _ => self.stream_pair_ptr(p, a, b),
+                _ => self.stream2_ptr(p, a, b),
             }
         }
     }
