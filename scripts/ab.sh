@@ -42,6 +42,8 @@ for line in open(sys.argv[1]):
     d = json.loads(rec)
     shape = d["shape"]
     shape = "x".join(map(str, shape)) if isinstance(shape, list) else str(shape)
+    if d.get("offset"):
+        shape += "+%d" % d["offset"]
     key = (d["op"], d["format"], d["dtype"], d.get("isa", ""), shape)
     ratio[key, b].append(d["copy_ratio"])
     ms[key, b].append(d["median_ms"])

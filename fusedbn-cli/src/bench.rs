@@ -69,6 +69,8 @@ const WARMUP_PAIRS: usize = 2;
 /// Untimed warm-up per case, at least: wakes the thread pool, faults in every page of
 /// every buffer and lets the clock settle.
 const WARMUP_TIME: Duration = Duration::from_millis(10);
+/// A cache line: `--offset` places every tensor this far from a multiple of it.
+const LINE: usize = 64;
 /// With `--min-time`, a case runs at most this many times `--runs` pairs.
 const MAX_PAIRS_FACTOR: usize = 100;
 
@@ -123,6 +125,18 @@ pub struct BenchArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub threads: Vec<u32>,
+
+    /// Where every tensor of a case starts: this many bytes past a 64-byte boundary
+    /// (repeatable or comma-separated; a multiple of 8 below 64). 0: on a cache line, as
+    /// PyTorch's and TensorFlow's CPU allocators place tensors; 16: where glibc's malloc
+    /// places a large Rust `Vec` (its chunk header is 16 bytes)
+    #[arg(
+        long = "offset",
+        value_name = "BYTES",
+        value_delimiter = ',',
+        value_parser = parse_offset
+    )]
+    pub offsets: Vec<usize>,
 
     /// Timed op/copy pairs per case, at least
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
@@ -186,6 +200,8 @@ fn bench_help() -> String {
          ratio_of_medians), with the pair ratios' quartiles beside it. GB/s counts the bytes the op\n\
          must move, the same k + j tensors (forward: read x + write y; backward: read dy and x +\n\
          write dx; the Ex and second-order ops: as their copies above).\n\
+         Every tensor starts on a 64-byte boundary (as PyTorch's and TensorFlow's CPU allocators\n\
+         place theirs), or --offset bytes past one (16: where glibc's malloc puts a large Vec).\n\
          Without --op: the four plain ops; the Ex and second-order ops run when named (or --op all).\n\
          Exits with status 1 if any check fails, 2 on invalid arguments (an unknown --isa, or one\n\
          this CPU lacks).",
@@ -400,6 +416,15 @@ fn parse_format(s: &str) -> Result<DataFormat, String> {
         .map_err(|e: fusedbn::Error| e.to_string())
 }
 
+fn parse_offset(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if v < LINE && v % 8 == 0 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a byte offset: 0, 8, 16, ... or 56 (a multiple of 8 below {LINE})"
+        )),
+    }
+}
+
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
@@ -497,6 +522,8 @@ pub struct Case {
     pub isa: Isa,
     /// Index into the thread pools (one per `--threads` value).
     pub pool: usize,
+    /// Bytes past a 64-byte boundary where each tensor starts (`--offset`).
+    pub offset: usize,
     /// The same problem for the library's driver: its inputs, reference and check.
     pub driver: driver::Case,
 }
@@ -510,6 +537,7 @@ impl Case {
         dtype: DType,
         isa: Isa,
         pool: usize,
+        offset: usize,
     ) -> Result<Case> {
         let driver = op.driver_case(format, logical, dtype)?.isa(isa);
         Ok(Case {
@@ -519,13 +547,18 @@ impl Case {
             dtype,
             isa,
             pool,
+            offset,
             driver,
         })
     }
 
+    /// The shape, and `+OFFSET` for tensors off a cache line.
     fn shape_str(&self) -> String {
         let dims: Vec<String> = self.shape.iter().map(|d| d.to_string()).collect();
-        dims.join("x")
+        match self.offset {
+            0 => dims.join("x"),
+            off => format!("{}+{off}", dims.join("x")),
+        }
     }
 
     fn label(&self) -> String {
@@ -576,6 +609,11 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
     } else {
         dedup(&args.dtypes).into_iter().map(|d| d.dtype()).collect()
     };
+    let offsets = if args.offsets.is_empty() {
+        vec![0]
+    } else {
+        dedup(&args.offsets)
+    };
     let mut out = Vec::new();
     for logical in &shapes {
         let formats = if !args.formats.is_empty() {
@@ -597,7 +635,9 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
                         }
                         seen.push(effective_isa(dtype, isa));
                         for pool in 0..pools {
-                            out.push(Case::new(op, format, &logical, dtype, isa, pool)?);
+                            for &off in &offsets {
+                                out.push(Case::new(op, format, &logical, dtype, isa, pool, off)?);
+                            }
                         }
                     }
                 }
@@ -858,18 +898,18 @@ fn measure<T: Element>(case: &Case, plan: Plan) -> Result<Measurement> {
 struct Workload<T: Element> {
     op: BenchOp,
     problem: Problem,
-    x: Vec<T>,
+    x: Placed<T>,
     /// `y_backprop` (gradient and second-order ops).
-    dy: Vec<T>,
+    dy: Placed<T>,
     /// The third input of the Ex and second-order ops: `side_input`
     /// (`forward_training_ex`), the forward's Relu output `y` (`backward_training_ex`)
     /// or `grad_x_backprop` (second order); empty otherwise.
-    extra: Vec<T>,
+    extra: Placed<T>,
     /// `y` (forward), `x_backprop` (backward) or `grad_y_backprop` (second order).
-    out: Vec<T>,
+    out: Placed<T>,
     /// The second output: `side_input_backprop` (`backward_training_ex`) or `grad_x`
     /// (second order); empty otherwise.
-    out2: Vec<T>,
+    out2: Placed<T>,
     scale: Vec<T::Stat>,
     /// Empty where the op takes no offset.
     offset: Vec<T::Stat>,
@@ -887,6 +927,52 @@ struct Workload<T: Element> {
     driver_op: Op,
     /// The driver's reference on [`sample_channels`], from the inputs (made at setup).
     want: driver::Reference,
+}
+
+/// A tensor's elements placed `offset` bytes past a cache line (`--offset`), whatever
+/// the allocator returned: a `Vec` with room for the shift, and the window used.
+/// (Safe code only: a `Vec<T>` cannot be allocated with a larger alignment than `T`'s.)
+struct Placed<T> {
+    buf: Vec<T>,
+    at: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Placed<T> {
+    /// `data` moved to `offset` bytes past a 64-byte boundary (`offset` a multiple of
+    /// the element size below [`LINE`]); empty stays empty.
+    fn new(data: Vec<T>, offset: usize) -> Self {
+        let (len, size) = (data.len(), size_of::<T>());
+        if len == 0 {
+            return Placed {
+                buf: data,
+                at: 0,
+                len,
+            };
+        }
+        // Room for the shift to the next line and the offset past it, reserved first
+        // so that the buffer never moves once the window is chosen.
+        let mut buf = Vec::with_capacity(len + 2 * LINE / size);
+        let addr = buf.as_ptr() as usize;
+        let at = ((LINE - addr % LINE) % LINE + offset) / size;
+        buf.resize(at, T::default());
+        buf.extend_from_slice(&data);
+        debug_assert_eq!(buf.as_ptr() as usize, addr);
+        Placed { buf, at, len }
+    }
+}
+
+impl<T> std::ops::Deref for Placed<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.at..self.at + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Placed<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
 }
 
 /// Takes the first input named one of `names` out of `inputs`, as a vector of `E`
@@ -925,9 +1011,10 @@ impl<T: Element> Workload<T> {
             BenchOp::BackwardTrainingEx => "y",
             _ => "grad_x_backprop",
         };
-        let x = take(&mut inputs, &["x"])?;
-        let dy = take(&mut inputs, &["y_backprop"])?;
-        let extra = take(&mut inputs, &[extra])?;
+        let off = case.offset;
+        let x = Placed::new(take(&mut inputs, &["x"])?, off);
+        let dy = Placed::new(take(&mut inputs, &["y_backprop"])?, off);
+        let extra = Placed::new(take(&mut inputs, &[extra])?, off);
         let scale = take(&mut inputs, &["scale"])?;
         let offset = take(&mut inputs, &["offset"])?;
         let mean = take(&mut inputs, &["mean", "reserve_space_1"])?;
@@ -939,8 +1026,11 @@ impl<T: Element> Workload<T> {
         }
         Ok(Workload {
             op: case.op,
-            out: vec![T::default(); problem.len()],
-            out2: vec![T::default(); (case.op.outputs() - 1) * problem.len()],
+            out: Placed::new(vec![T::default(); problem.len()], off),
+            out2: Placed::new(
+                vec![T::default(); (case.op.outputs() - 1) * problem.len()],
+                off,
+            ),
             problem,
             x,
             dy,
@@ -1238,6 +1328,7 @@ impl Report {
                 "dtype": case.dtype.to_string(),
                 "shape": case.shape,
                 "threads": threads,
+                "offset": case.offset,
                 "isa": m.isa.name(),
                 "isa_requested": case.isa.name(),
                 "pairs": m.op.len(),
@@ -1358,7 +1449,7 @@ mod tests {
 
     /// A case on x of logical shape `[N, spatial…, C]`.
     fn case(op: BenchOp, format: DataFormat, logical: Vec<usize>, dtype: DType) -> Case {
-        Case::new(op, format, &logical, dtype, Isa::Scalar, 0).unwrap()
+        Case::new(op, format, &logical, dtype, Isa::Scalar, 0, 0).unwrap()
     }
 
     #[test]
@@ -1496,6 +1587,46 @@ mod tests {
     }
 
     #[test]
+    fn tensors_start_at_the_offset_asked_for() {
+        fn check<T: Element>() {
+            let data: Vec<T> = (0..1000)
+                .map(|i| T::narrow(T::Stat::from_f64(i as f64)))
+                .collect();
+            for off in (0..LINE).step_by(8) {
+                let p = Placed::new(data.clone(), off);
+                assert_eq!(p.as_ptr() as usize % LINE, off, "{} +{off}", T::DTYPE);
+                assert_eq!(p[..], data[..]);
+            }
+            assert!(Placed::<T>::new(Vec::new(), 16).is_empty());
+        }
+        check::<f32>();
+        check::<f64>();
+        check::<fusedbn::f16>();
+        check::<fusedbn::bf16>();
+        assert_eq!(parse_offset("16"), Ok(16));
+        for bad in ["4", "64", "-8", "x"] {
+            assert!(parse_offset(bad).is_err(), "{bad}");
+        }
+        // Every tensor of a case is placed, inputs and outputs, and the op still checks.
+        for off in [0, 16, 56] {
+            let mut c = case(
+                BenchOp::SecondOrderTraining,
+                DataFormat::Nchw,
+                vec![2, 5, 7, 6],
+                DType::F32,
+            );
+            c.offset = off;
+            let mut w = Workload::<f32>::new(&c).unwrap();
+            for t in [&w.x, &w.dy, &w.extra, &w.out, &w.out2] {
+                assert_eq!(t.as_ptr() as usize % LINE, off);
+            }
+            w.run_op().unwrap();
+            assert_eq!(w.check(), Ok(()), "+{off}");
+            assert!(c.shape_str().ends_with(&format!("+{off}")) == (off != 0));
+        }
+    }
+
+    #[test]
     fn the_copy_baseline_copies_and_reads() {
         let case = case(
             BenchOp::BackwardTraining,
@@ -1505,7 +1636,7 @@ mod tests {
         );
         let mut w = Workload::<f32>::new(&case).unwrap();
         w.run_copy();
-        assert_eq!(w.out, w.dy);
+        assert_eq!(w.out[..], w.dy[..]);
         assert_eq!(w.run_copy(), checksum(bytes_of(&w.x)));
         w.run_op().unwrap();
         assert_eq!(w.check(), Ok(()));
@@ -1531,12 +1662,12 @@ mod tests {
             let sum = w.run_copy();
             match op {
                 BenchOp::ForwardTrainingEx => {
-                    assert_eq!(w.out, w.x);
+                    assert_eq!(w.out[..], w.x[..]);
                     assert!(w.out2.is_empty());
                 }
                 _ => {
-                    assert_eq!(w.out, w.dy, "{op:?}");
-                    assert_eq!(w.out2, w.x, "{op:?}");
+                    assert_eq!(w.out[..], w.dy[..], "{op:?}");
+                    assert_eq!(w.out2[..], w.x[..], "{op:?}");
                 }
             }
             assert_eq!(sum, checksum(bytes_of(&w.extra)), "{op:?}");
@@ -1564,7 +1695,7 @@ mod tests {
         );
         let zeros = w.out2.iter().filter(|&&v| v == 0.0).count();
         assert!(zeros >= masked, "{zeros} < {masked}");
-        for ((&g, &dy), &y) in w.out2.iter().zip(&w.dy).zip(&w.extra) {
+        for ((&g, &dy), &y) in w.out2.iter().zip(w.dy.iter()).zip(w.extra.iter()) {
             assert_eq!(g, if y > 0.0 { dy } else { 0.0 });
         }
         assert_eq!(w.check(), Ok(()));
