@@ -26,7 +26,9 @@ Method:
 
 Implementations:
 - fusedbn: `target/release/fusedbn bench --json --shape S --format L --dtype D --op O`
-  (built with cargo if missing, or with --build); preallocated outputs.
+  (built with cargo if missing, or with --build); preallocated outputs; every tensor on
+  a 64-byte boundary (the bench's default `--offset 0`), as PyTorch's and TensorFlow's
+  CPU allocators place theirs.
 - PyTorch ("torch"): forward training and inference with the out= variant
   torch.ops.aten.native_batch_norm.out (a real CPU kernel: y, save_mean and save_invstd
   preallocated); backward with the allocating torch.ops.aten.native_batch_norm_backward,
