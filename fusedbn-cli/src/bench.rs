@@ -930,48 +930,56 @@ struct Workload<T: Element> {
 }
 
 /// A tensor's elements placed `offset` bytes past a cache line (`--offset`), whatever
-/// the allocator returned: a `Vec` with room for the shift, and the window used.
-/// (Safe code only: a `Vec<T>` cannot be allocated with a larger alignment than `T`'s.)
+/// the allocator returned: a `Vec` with room for the shift, and the window from `at` to
+/// its end. (Safe code only: a `Vec<T>` cannot be allocated with a larger alignment than
+/// `T`'s.)
 struct Placed<T> {
     buf: Vec<T>,
     at: usize,
-    len: usize,
 }
 
 impl<T: Copy + Default> Placed<T> {
-    /// `data` moved to `offset` bytes past a 64-byte boundary (`offset` a multiple of
-    /// the element size below [`LINE`]); empty stays empty.
+    /// `data` at `offset` bytes past a 64-byte boundary (`offset` a multiple of the
+    /// element size below [`LINE`]): moved where the allocator already put it there
+    /// (and when empty), copied otherwise.
     fn new(data: Vec<T>, offset: usize) -> Self {
-        let (len, size) = (data.len(), size_of::<T>());
-        if len == 0 {
-            return Placed {
-                buf: data,
-                at: 0,
-                len,
-            };
+        if data.is_empty() || data.as_ptr() as usize % LINE == offset {
+            return Placed { buf: data, at: 0 };
         }
-        // Room for the shift to the next line and the offset past it, reserved first
-        // so that the buffer never moves once the window is chosen.
+        let mut p = Self::room(data.len(), offset);
+        p.buf.extend_from_slice(&data);
+        p
+    }
+
+    /// `len` default elements at `offset` bytes past a 64-byte boundary.
+    fn zeroed(len: usize, offset: usize) -> Self {
+        let mut p = Self::room(len, offset);
+        p.buf.resize(p.at + len, T::default());
+        p
+    }
+
+    /// An empty window at `offset` past a line, with room for `len` elements: the
+    /// capacity is reserved first, so the buffer never moves once `at` is chosen.
+    fn room(len: usize, offset: usize) -> Self {
+        let size = size_of::<T>();
         let mut buf = Vec::with_capacity(len + 2 * LINE / size);
         let addr = buf.as_ptr() as usize;
         let at = ((LINE - addr % LINE) % LINE + offset) / size;
         buf.resize(at, T::default());
-        buf.extend_from_slice(&data);
-        debug_assert_eq!(buf.as_ptr() as usize, addr);
-        Placed { buf, at, len }
+        Placed { buf, at }
     }
 }
 
 impl<T> std::ops::Deref for Placed<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        &self.buf[self.at..self.at + self.len]
+        &self.buf[self.at..]
     }
 }
 
 impl<T> std::ops::DerefMut for Placed<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        &mut self.buf[self.at..self.at + self.len]
+        &mut self.buf[self.at..]
     }
 }
 
@@ -1026,11 +1034,8 @@ impl<T: Element> Workload<T> {
         }
         Ok(Workload {
             op: case.op,
-            out: Placed::new(vec![T::default(); problem.len()], off),
-            out2: Placed::new(
-                vec![T::default(); (case.op.outputs() - 1) * problem.len()],
-                off,
-            ),
+            out: Placed::zeroed(problem.len(), off),
+            out2: Placed::zeroed((case.op.outputs() - 1) * problem.len(), off),
             problem,
             x,
             dy,
@@ -1598,6 +1603,11 @@ mod tests {
                 assert_eq!(p[..], data[..]);
             }
             assert!(Placed::<T>::new(Vec::new(), 16).is_empty());
+            for off in [0, 16, 56] {
+                let z = Placed::<T>::zeroed(1000, off);
+                assert_eq!(z.as_ptr() as usize % LINE, off);
+                assert!(z.len() == 1000 && z.iter().all(|v| *v == T::default()));
+            }
         }
         check::<f32>();
         check::<f64>();
