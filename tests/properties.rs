@@ -325,19 +325,26 @@ fn empty_tensors_match_reference() {
 /// bit-identical whatever the number of threads.
 #[test]
 fn results_do_not_depend_on_thread_count() {
-    // Channels-last, channel-major resident, channel-major in two passes.
+    // Channels-last, channel-major resident, channel-major in two passes, and short
+    // rows whose tasks (whole channels, elementwise rows) are cut by the thread count
+    // (`kernels::balanced`).
     let shapes = [
         (DataFormat::Nhwc, [8, 40, 40, 24]),
         (DataFormat::Nchw, [8, 40, 40, 24]),
         (DataFormat::Nchw, [64, 64, 64, 8]),
+        (DataFormat::Nchw, [16, 7, 7, 96]),
+        (DataFormat::Nhwc, [16, 7, 7, 96]),
     ];
     for isa in Isa::supported() {
         for (f, s) in shapes {
-            for (op, training) in [
-                (Op::FusedBatchNormV3, true),
-                (Op::FusedBatchNormGradV3, true),
+            for (op, training, dtype) in [
+                (Op::FusedBatchNormV3, true, DType::F32),
+                (Op::FusedBatchNormGradV3, true, DType::F32),
+                (Op::FusedBatchNormV3, false, DType::BF16),
+                (Op::FusedBatchNormGradV3, true, DType::BF16),
+                (Op::FusedBatchNormGradGradV3, true, DType::BF16),
             ] {
-                let case = Case::new(op, f, &s, DType::F32)
+                let case = Case::new(op, f, &s, dtype)
                     .unwrap()
                     .training(training)
                     .seed(7)

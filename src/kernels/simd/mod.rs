@@ -825,6 +825,17 @@ impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
         // and `self.outs[i]` panics for `i >= M` before any write.
         unsafe { s.store_ptr(self.outs[i].add(j * self.lanes), v) }
     }
+
+    /// Writes vectors `j` and `j + 1` of output `i` (`a` first), as
+    /// [`Simd::store2_ptr`]: one narrowing for both where the ISA has one.
+    #[inline(always)]
+    pub fn store2<S: Simd<T::Stat>>(&mut self, s: S, i: usize, j: usize, a: S::V, b: S::V) {
+        assert!(j + 1 < self.vectors && S::LANES == self.lanes);
+        // SAFETY: `(j + 2)·lanes <= len` and every output holds at least `len` elements
+        // (checked in `new`); the outputs are borrowed mutably for the life of `self`,
+        // and `self.outs[i]` panics for `i >= M` before any write.
+        unsafe { s.store2_ptr(self.outs[i].add(j * self.lanes), a, b) }
+    }
 }
 
 #[cfg(test)]
