@@ -347,8 +347,10 @@ impl Geometry {
 }
 
 /// Items per task when `items` are cut into tasks of at most `most` items: as few tasks
-/// as that allows, but for a `parallel` pass a multiple of the pool's threads (while
-/// there are items for them), of equal size. Without it a tensor of a few tasks left a
+/// as that allows, but for a `parallel` pass about a multiple of the pool's threads
+/// (while there are items for them), of equal size (the last may be shorter, and
+/// rounding the size up can leave a task fewer: 10 items of at most 4 on 8 threads
+/// are 5 tasks of 2). Without it a tensor of a few tasks left a
 /// thread idle: NCHW 16x512x7x7 was cut 334 + 178 channels and 5349 + 2843 rows, and on
 /// two threads its 16-bit forward training was barely faster than on one. Only for
 /// splits that do not decide the bits (whole channels, elementwise rows): the row
