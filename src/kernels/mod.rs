@@ -279,7 +279,7 @@ impl Geometry {
     }
 
     /// Whether a pass over this geometry should use the thread pool.
-    fn parallel(&self) -> bool {
+    pub(crate) fn parallel(&self) -> bool {
         self.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1
     }
 
@@ -344,6 +344,18 @@ impl Geometry {
         let most = ((TASK / self.channels.max(1)) / 16).max(1) * 16;
         balanced(self.outer, most, self.parallel()).next_multiple_of(16)
     }
+
+    /// Whole rows ([`Geometry::row_len`]) per task of an elementwise pass: pixels in
+    /// multiples of 16 channels-last, [`balanced`] rows of about [`TASK`] elements
+    /// channel-major.
+    pub(crate) fn rows_per_task(&self) -> usize {
+        if self.channels_last() {
+            self.pixels_per_task()
+        } else {
+            let most = (TASK / self.row_len().max(1)).max(1);
+            balanced(self.outer * self.channels, most, self.parallel())
+        }
+    }
 }
 
 /// Items per task when `items` are cut into tasks of at most `most` items: as few tasks
@@ -371,15 +383,7 @@ where
     O: Send,
     F: Fn(usize, &mut [O]) + Sync + Send,
 {
-    let rpt = if g.channels_last() {
-        g.pixels_per_task()
-    } else {
-        balanced(
-            g.outer * g.channels,
-            (TASK / g.row_len().max(1)).max(1),
-            g.parallel(),
-        )
-    };
+    let rpt = g.rows_per_task();
     let chunk = (rpt * g.row_len()).max(1);
     if g.parallel() {
         out.par_chunks_mut(chunk)
@@ -836,18 +840,21 @@ mod tests {
                                 tasks >= fewest.min(threads).min(items),
                                 "{items} {most} {threads}: {tasks}"
                             );
+                            assert!(
+                                tasks <= fewest.next_multiple_of(threads),
+                                "{items} {most} {threads}: {tasks}"
+                            );
                         }
                     }
                 }
-                // The shape that wanted it: 334 + 178 channels become 256 + 256.
-                assert_eq!(
-                    balanced(512, 334, true),
-                    if threads == 2 {
-                        256
-                    } else {
-                        512usize.div_ceil(2usize.next_multiple_of(threads))
-                    }
-                );
+                // The shape that wanted it: 334 + 178 channels become 256 + 256 on two
+                // threads (and 171 + 171 + 170 on three, 8 × 64 on eight).
+                let want = match threads {
+                    1 | 2 => 256,
+                    3 => 171,
+                    _ => 64,
+                };
+                assert_eq!(balanced(512, 334, true), want, "{threads} threads");
             });
         }
     }

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
 use super::{
     channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit, TASK,
+    PixelSplit,
 };
 use crate::element::{Element, Real};
 
@@ -365,12 +365,8 @@ pub fn apply<T: Element>(
 ) {
     let ([g, x, a], (d_g, d_x)) = (ins, outs);
     let row_len = geo.row_len();
-    let parallel = geo.len() >= super::PARALLEL_MIN && rayon::current_num_threads() > 1;
-    let rows = super::balanced(
-        geo.len() / row_len.max(1),
-        (TASK / row_len.max(1)).max(1),
-        parallel,
-    );
+    let parallel = geo.parallel();
+    let rows = geo.rows_per_task();
     let chunk = (rows * row_len).max(1);
     let run = |i: usize, (dg, dx): (&mut [T], &mut [T])| {
         let off = i * chunk;
@@ -447,27 +443,7 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                     let (dgw, dgt) = dg.split_at_mut(whole * l);
                     let (dxw, dxt) = dx.split_at_mut(whole * l);
                     let mut w = Writes::new(l, [dgw, dxw], whole * l);
-                    // Two vectors a step, stored as pairs: one narrowing for both
-                    // where the ISA has one (`vcvtne2ps2bf16`), where one vector at
-                    // a time took the shifting bf16 rounding and a `vpmovdw` to
-                    // memory each — a quarter of the time of NHWC 2x8x8x32 bf16
-                    // second order with AVX-512 (perf).
-                    let mut pairs = consts[..whole].chunks_exact(2);
-                    for (i, k) in (&mut pairs).enumerate() {
-                        let j = 2 * i;
-                        let ([g0, x0, a0], [g1, x1, a1]) = (r.load(s, j), r.load(s, j + 1));
-                        let (vg0, vx0) = eval(s, g0, x0, a0, &k[0]);
-                        let (vg1, vx1) = eval(s, g1, x1, a1, &k[1]);
-                        w.store2(s, 0, j, vg0, vg1);
-                        w.store2(s, 1, j, vx0, vx1);
-                    }
-                    if let [k] = pairs.remainder() {
-                        let j = whole - 1;
-                        let [g, x, a] = r.load(s, j);
-                        let (vg, vx) = eval(s, g, x, a, k);
-                        w.store(s, 0, j, vg);
-                        w.store(s, 1, j, vx);
-                    }
+                    whole_vectors::<_, _, _, false>(s, &r, &mut w, whole, &consts);
                     (dgt, dxt)
                 };
                 if rest > 0 {
@@ -492,22 +468,7 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                 let (dgw, dgt) = dg.split_at_mut(at);
                 let (dxw, dxt) = dx.split_at_mut(at);
                 let mut w = Writes::new(l, [dgw, dxw], at);
-                // In pairs, as the channels-last loop above.
-                for i in 0..rd.vectors() / 2 {
-                    let j = 2 * i;
-                    let ([g0, x0, a0], [g1, x1, a1]) = (rd.load(s, j), rd.load(s, j + 1));
-                    let (vg0, vx0) = eval(s, g0, x0, a0, &kv);
-                    let (vg1, vx1) = eval(s, g1, x1, a1, &kv);
-                    w.store2(s, 0, j, vg0, vg1);
-                    w.store2(s, 1, j, vx0, vx1);
-                }
-                if rd.vectors() % 2 == 1 {
-                    let j = rd.vectors() - 1;
-                    let [g, x, a] = rd.load(s, j);
-                    let (vg, vx) = eval(s, g, x, a, &kv);
-                    w.store(s, 0, j, vg);
-                    w.store(s, 1, j, vx);
-                }
+                whole_vectors::<_, _, _, true>(s, &rd, &mut w, rd.vectors(), &[kv]);
                 if m > 0 {
                     let [g, x, a] = load_partial_n(s, &ins, at, m);
                     let (vg, vx) = eval(s, g, x, a, &kv);
@@ -516,6 +477,39 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                 }
             }
         }
+    }
+}
+
+/// The first `vectors` whole vectors of both outputs from `r`, with constants `k[j]`
+/// for vector `j`, or `k[0]` for every vector when `SPLAT` (a channel-major row). Two
+/// vectors a step, stored as pairs: one narrowing for both where the ISA has one
+/// (`vcvtne2ps2bf16`, AVX2's packed bf16), where one vector at a time took the
+/// shifting bf16 rounding and a `vpmovdw` to memory each — a quarter of the time of
+/// NHWC 2x8x8x32 bf16 second order with AVX-512 (perf).
+#[inline(always)]
+fn whole_vectors<U: Real, S: Simd<U>, T: Element<Stat = U>, const SPLAT: bool>(
+    s: S,
+    r: &Reads<'_, T, 3>,
+    w: &mut Writes<'_, T, 2>,
+    vectors: usize,
+    k: &[[S::V; 8]],
+) {
+    // Once, so that the loop's indexing needs no checks of its own.
+    assert!(!k.is_empty() && (SPLAT || k.len() >= vectors));
+    for i in 0..vectors / 2 {
+        let j = 2 * i;
+        let ([g0, x0, a0], [g1, x1, a1]) = (r.load(s, j), r.load(s, j + 1));
+        let (vg0, vx0) = eval(s, g0, x0, a0, &k[if SPLAT { 0 } else { j }]);
+        let (vg1, vx1) = eval(s, g1, x1, a1, &k[if SPLAT { 0 } else { j + 1 }]);
+        w.store2(s, 0, j, vg0, vg1);
+        w.store2(s, 1, j, vx0, vx1);
+    }
+    if vectors % 2 == 1 {
+        let j = vectors - 1;
+        let [g, x, a] = r.load(s, j);
+        let (vg, vx) = eval(s, g, x, a, &k[if SPLAT { 0 } else { j }]);
+        w.store(s, 0, j, vg);
+        w.store(s, 1, j, vx);
     }
 }
 
