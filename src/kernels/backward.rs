@@ -6,10 +6,10 @@
 //! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::apply::{elementwise, head_len, VectorFn, STREAM_AHEAD_BYTES};
-use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
+use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk, MAX_LANES};
 use super::{
-    channel_tiles, pixels_per_tile, short_period, ChannelMajorSplit, ChannelTask, Geometry, NoPace,
-    Pace, PixelSplit, PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, pixels_per_tile, scratch, short_period, ChannelMajorSplit, ChannelTask,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -870,9 +870,11 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     };
     let groups = c.div_ceil(l);
     let zero = s.splat(U::ZERO);
+    // Scratch on the stack for few channel groups (small tensors paid about ten
+    // allocations a call here and in the callers).
     let padded = |v: &[U]| {
-        let mut p = v.to_vec();
-        p.resize(groups * l, U::ZERO);
+        let mut p: Scratch<U, { 8 * MAX_LANES }> = scratch(U::ZERO, groups * l);
+        p[..v.len()].copy_from_slice(v);
         p
     };
     let mut mean_p = padded(mean);
@@ -908,8 +910,12 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let rotated = stream && dx.is_some() && c.is_multiple_of(l);
     let period = short.or(rotated.then_some(groups));
     let width = groups.max(period.unwrap_or(0));
-    let (mut a, mut b) = (vec![zero; width], vec![zero; width]);
-    let mut lanes = vec![U::ZERO; 2 * width * l];
+    let (mut a_buf, mut b_buf): (Scratch<S::V, 16>, Scratch<S::V, 16>) =
+        (scratch(zero, width), scratch(zero, width));
+    let mut lanes_buf: Scratch<U, { 2 * 16 * MAX_LANES }> = scratch(U::ZERO, 2 * width * l);
+    // Slices taken once: each use of a `Scratch` tests where its elements are (+5k
+    // instructions a 2x8x8x32 Ex backward call when the loops indexed them).
+    let (a, b, lanes) = (&mut a_buf[..], &mut b_buf[..], &mut lanes_buf[..]);
     let mut pc: Option<PeriodConsts<U>> = None;
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,
@@ -972,9 +978,9 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         if dx.is_none() && quads != Quads::No {
             while q0 + 4 * c <= t1 {
                 if quads == Quads::Prefetched {
-                    sums_quad::<U, S, T, N, true>(s, &ins, q0, c, &consts, &mut a, &mut b);
+                    sums_quad::<U, S, T, N, true>(s, &ins, q0, c, &consts, a, b);
                 } else {
-                    sums_quad::<U, S, T, N, false>(s, &ins, q0, c, &consts, &mut a, &mut b);
+                    sums_quad::<U, S, T, N, false>(s, &ins, q0, c, &consts, a, b);
                 }
                 q0 += 4 * c;
             }

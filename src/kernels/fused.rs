@@ -32,8 +32,8 @@ use super::backward::{
 use super::simd::{splat_n, sub_n, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, merge_channel_results, resident_bytes, ChannelMajorSplit, Geometry,
-    NoPace, Pace, PixelSplit, TaskRows, Tile, RESIDENT_BYTES,
+    apply, channel_tiles, merge_channel_results, resident_bytes, scratch, ChannelMajorSplit,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -1174,19 +1174,23 @@ impl<T: Element, S: Simd<T::Stat>> PaceSide<S, T> for SideBehind<'_, '_, T, S> {
     }
 }
 
-/// Per-channel triples `f(channel)` as three per-channel columns, in one allocation
-/// (the triples and three columns were four, which small tensors pay on every call).
-pub(crate) struct Columns<U>(Vec<U>);
+/// Per-channel triples `f(channel)` as three per-channel columns, in one buffer (the
+/// triples and three columns were four allocations, which small tensors pay on every
+/// call), on the stack up to 64 channels.
+pub(crate) struct Columns<U>(Scratch<U, { 3 * 64 }>);
 
 impl<U: Real> Columns<U> {
     /// The columns of `f(0)`, …, `f(c − 1)`.
     pub fn new(c: usize, mut f: impl FnMut(usize) -> [U; 3]) -> Self {
-        let mut v = vec![U::ZERO; 3 * c];
-        for ch in 0..c {
-            let [a, b, d] = f(ch);
-            (v[ch], v[c + ch], v[2 * c + ch]) = (a, b, d);
+        let mut buf = scratch(U::ZERO, 3 * c);
+        // Through slices taken once (each use of a `Scratch` tests where its elements
+        // are).
+        let (a, rest) = buf.split_at_mut(c);
+        let (b, d) = rest.split_at_mut(c);
+        for (ch, ((a, b), d)) in a.iter_mut().zip(b).zip(d).enumerate() {
+            [*a, *b, *d] = f(ch);
         }
-        Columns(v)
+        Columns(buf)
     }
 
     /// The three columns.

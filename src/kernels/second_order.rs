@@ -13,10 +13,12 @@
 
 use rayon::prelude::*;
 
-use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes};
+use super::simd::{
+    load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes, MAX_LANES,
+};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit,
+    channel_tiles, next_cyclic, pixels_per_tile, scratch, ChannelMajorSplit, ChannelTask, Geometry,
+    PixelSplit, Scratch,
 };
 use crate::element::{Element, Real};
 
@@ -85,7 +87,8 @@ pub fn reduce<T: Element>(
     let [g, x, a] = ins;
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
-        let partials = PixelSplit::reduce(geo).map(geo, |r| {
+        let split = PixelSplit::reduce(geo);
+        let task = |r: std::ops::Range<usize>, out: &mut [Six]| {
             let ins = [&g[r.clone()], &x[r.clone()], &a[r]];
             T::Stat::dispatch(
                 isa,
@@ -93,8 +96,21 @@ pub fn reduce<T: Element>(
                     ins,
                     shifts,
                     strips: true,
+                    out,
                 },
             )
+        };
+        if split.len() <= 1 {
+            // One task (a small tensor): its sums are the total, summed from zeros as
+            // the total below is, and no per-task vector is made.
+            let mut total = vec![[0f64; 6]; c];
+            task(split.range(0), &mut total);
+            return finish(total);
+        }
+        let partials = split.map(geo, |r| {
+            let mut out = vec![[0f64; 6]; c];
+            task(r, &mut out);
+            out
         });
         // The first task's sums become the total (plus 0.0, as the sum from zeros
         // they replace: the same bits, −0 included), without another allocation.
@@ -128,6 +144,11 @@ pub fn reduce<T: Element>(
             |p, q| std::array::from_fn(|k| p[k] + q[k]),
         )
     };
+    finish(per)
+}
+
+/// The sums as [`SecondOrderSums`] (collected in place: the same size and alignment).
+fn finish(per: Vec<Six>) -> Vec<SecondOrderSums> {
     per.into_iter()
         .map(|[g, a, g_xc, a_xc, a_g, xc]| SecondOrderSums {
             g,
@@ -146,10 +167,6 @@ struct TaskSums<'a, T: Element> {
     shifts: [&'a [T::Stat]; 3],
     task: ChannelTask,
 }
-
-/// The most lanes of any ISA (AVX-512, f32): the stack room for a partial vector's
-/// shifts.
-const MAX_LANES: usize = 16;
 
 impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     type Output = Vec<Six>;
@@ -201,37 +218,47 @@ const STRIP_GROUPS: usize = 4;
 /// of a 32 KiB L1, so that every group after the first reads the block from L1.
 const STRIP_BLOCK_BYTES: usize = 16 << 10;
 
+/// Adds the six sums of the pixels `ins` to `out` (one entry per channel).
 struct PixelSums<'a, T: Element> {
     ins: [&'a [T]; 3],
     shifts: [&'a [T::Stat]; 3],
     /// Whether a group at a time is allowed (with at most [`STRIP_GROUPS`] groups);
     /// false only in the test that checks both give the same bits.
     strips: bool,
+    out: &'a mut [Six],
 }
 
+/// Channel groups whose scratch [`PixelSums`] and [`Apply`] keep on the stack.
+const STACK_GROUPS: usize = 8;
+
 impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
-    type Output = Vec<Six>;
+    type Output = ();
     #[inline(always)]
-    fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
+    fn run<S: Simd<T::Stat>>(self, s: S) {
         let (l, c) = (S::LANES, self.shifts[0].len());
         let (whole, rest) = (c / l, c % l);
         let groups = c.div_ceil(l);
         let zero = s.splat(T::Stat::ZERO);
+        let out = self.out;
+        assert!(out.len() == c && l <= MAX_LANES);
         // Shifts padded with 0 past C, so the partial group shifts its missing lanes by
-        // 0 (through one group's lanes on the stack: one allocation, not four).
-        let shifts: Vec<[S::V; 3]> = (0..groups)
-            .map(|gi| {
-                let chans = gi * l..c.min((gi + 1) * l);
-                self.shifts.map(|v| {
-                    let mut lanes = [T::Stat::ZERO; 64];
-                    lanes[..chans.len()].copy_from_slice(&v[chans.clone()]);
-                    s.load(&lanes[..l])
-                })
-            })
-            .collect();
-        let mut acc = vec![[zero; 6]; groups];
-        let mut lanes = vec![T::Stat::ZERO; groups * l];
-        let mut out = vec![[0f64; 6]; c];
+        // 0 (through one group's lanes on the stack).
+        let mut shifts_buf: Scratch<[S::V; 3], STACK_GROUPS> = scratch([zero; 3], groups);
+        // Slices taken once (each use of a `Scratch` tests where its elements are).
+        let shifts = &mut shifts_buf[..];
+        for (gi, sh) in shifts.iter_mut().enumerate() {
+            let chans = gi * l..c.min((gi + 1) * l);
+            for (v, k) in self.shifts.iter().zip(sh.iter_mut()) {
+                let mut lanes = [T::Stat::ZERO; MAX_LANES];
+                lanes[..chans.len()].copy_from_slice(&v[chans.clone()]);
+                *k = s.load(&lanes[..l]);
+            }
+        }
+        let shifts = &*shifts;
+        let mut acc_buf: Scratch<[S::V; 6], STACK_GROUPS> = scratch([zero; 6], groups);
+        let mut lanes_buf: Scratch<T::Stat, { STACK_GROUPS * MAX_LANES }> =
+            scratch(T::Stat::ZERO, groups * l);
+        let (acc, lanes) = (&mut acc_buf[..], &mut lanes_buf[..]);
         let tile = pixels_per_tile(c) * c;
         let len = self.ins[0].len();
         let mut start = 0;
@@ -284,7 +311,7 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
                     // partial group.
                     let ins = window(self.ins, p, c);
                     let r = Reads::new(l, ins, c);
-                    for ((ac, k), j) in acc.iter_mut().zip(&shifts).zip(0..whole) {
+                    for ((ac, k), j) in acc.iter_mut().zip(shifts).zip(0..whole) {
                         let [g, x, a] = r.load(s, j);
                         accumulate(s, g, x, a, k, ac);
                     }
@@ -305,7 +332,6 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
             }
             start = end;
         }
-        out
     }
 }
 
@@ -418,19 +444,25 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
             let c = geo.channels;
             let (whole, rest) = (c / l, c % l);
             let groups = c.div_ceil(l);
-            // Built through one group's lanes on the stack: one allocation per task.
-            let consts: Vec<[S::V; 8]> = (0..groups)
-                .map(|gi| {
-                    let mut lanes = [[T::Stat::ZERO; 64]; 8];
-                    let chans = &self.k[gi * l..c.min((gi + 1) * l)];
-                    for (i, k) in chans.iter().enumerate() {
-                        for (j, v) in k.array().into_iter().enumerate() {
-                            lanes[j][i] = v;
-                        }
+            // Built through one group's lanes on the stack (and kept there for few
+            // groups).
+            assert!(l <= MAX_LANES);
+            let zero = s.splat(T::Stat::ZERO);
+            let mut consts_buf: Scratch<[S::V; 8], STACK_GROUPS> = scratch([zero; 8], groups);
+            // A slice taken once (each use of a `Scratch` tests where its elements are).
+            let consts = &mut consts_buf[..];
+            for (gi, kv) in consts.iter_mut().enumerate() {
+                let mut lanes = [[T::Stat::ZERO; MAX_LANES]; 8];
+                let chans = &self.k[gi * l..c.min((gi + 1) * l)];
+                for (i, k) in chans.iter().enumerate() {
+                    for (j, v) in k.array().into_iter().enumerate() {
+                        lanes[j][i] = v;
                     }
-                    std::array::from_fn(|j| s.load(&lanes[j][..l]))
-                })
-                .collect();
+                }
+                for (j, v) in kv.iter_mut().enumerate() {
+                    *v = s.load(&lanes[j][..l]);
+                }
+            }
             let pixels = dg.len() / c.max(1);
             for (p, (dg, dx)) in dg
                 .chunks_exact_mut(c)
@@ -443,7 +475,7 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                     let (dgw, dgt) = dg.split_at_mut(whole * l);
                     let (dxw, dxt) = dx.split_at_mut(whole * l);
                     let mut w = Writes::new(l, [dgw, dxw], whole * l);
-                    whole_vectors::<_, _, _, false>(s, &r, &mut w, whole, &consts);
+                    whole_vectors::<_, _, _, false>(s, &r, &mut w, whole, consts);
                     (dgt, dxt)
                 };
                 if rest > 0 {
@@ -549,14 +581,17 @@ mod tests {
             };
             let (m, kg, ka) = (shift(0), shift(1), shift(2));
             let run = |strips: bool| -> Vec<Six> {
+                let mut out = vec![[0f64; 6]; c];
                 T::Stat::dispatch(
                     isa,
                     PixelSums {
                         ins: [&g, &x, &a],
                         shifts: [&m, &kg, &ka],
                         strips,
+                        out: &mut out,
                     },
-                )
+                );
+                out
             };
             let (by_group, by_pixel) = (run(true), run(false));
             for (ch, (p, q)) in by_group.iter().zip(&by_pixel).enumerate() {

@@ -11,10 +11,10 @@
 //! sums never cancel by more than a factor of two, even when |mean| ≫ std. The choice
 //! depends only on the data, so results stay deterministic.
 
-use super::simd::{Dispatch, Isa, Kernel, Reads, Simd};
+use super::simd::{Dispatch, Isa, Kernel, Reads, Simd, MAX_LANES};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, ChannelMajorSplit, ChannelTask, Geometry, NoPace,
-    Pace, PixelSplit, Tile, PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, next_cyclic, pixels_per_tile, scratch, ChannelMajorSplit, ChannelTask, Geometry,
+    NoPace, Pace, PixelSplit, Scratch, Tile, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -437,17 +437,21 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         // so that at least four add chains run at once.
         let sets = 4usize.div_ceil(groups);
         let zero = s.splat(T::Stat::ZERO);
-        // Three allocations per task, not seven: on small tensors malloc and free were a
-        // quarter of the pass (perf, 2x8x8x32 f32).
-        let mut vectors = vec![zero; groups + 3 * sets * groups];
+        // One buffer per kind, on the stack for few channel groups: on small tensors
+        // malloc and free were a quarter of the pass (perf, 2x8x8x32 f32), with seven
+        // allocations a task, and still counted with three.
+        let mut vectors: Scratch<S::V, 32> = scratch(zero, groups + 3 * sets * groups);
         let (pivot, acc) = vectors.split_at_mut(groups);
-        let mut lanes = vec![T::Stat::ZERO; 3 * groups * l];
+        let mut lanes_buf: Scratch<T::Stat, { 3 * 8 * MAX_LANES }> =
+            scratch(T::Stat::ZERO, 3 * groups * l);
+        // A slice taken once (each use of a `Scratch` tests where its elements are).
+        let lanes = &mut lanes_buf[..];
         // Per channel, the f64 sums around the task's pivot of the tiles accepted so
         // far (count, Σd, Σd²: plain additions, no division per tile), as three columns
         // so that a tile whose channels are all accepted is flushed in vector loops
         // (perf, 16x7x7x2048 f32: the per-channel flush was a fifth of the pass); and,
         // allocated only when a tile needs one, the moments of tiles redone exactly.
-        let mut columns = vec![0.0f64; 3 * c];
+        let mut columns: Scratch<f64, { 3 * 64 }> = scratch(0.0f64, 3 * c);
         let (count, rest) = columns.split_at_mut(c);
         let (s1, s2) = rest.split_at_mut(c);
         let mut exact: Vec<Moments> = Vec::new();
@@ -848,7 +852,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     // 64x56x56x256 4.70 -> 4.48 ms, 64x112x112x64 3.99 -> 3.63 ms, 64x28x28x512 2.64 ->
     // 2.39 ms; bf16 AVX-512 64x56x56x256 4.69 -> 4.44 ms; f16 AVX2 4.84 -> 4.24 ms).
     let quads = std::mem::size_of_val(x) < STREAM_BYTES || std::mem::size_of::<T>() == 2;
-    let partials = PixelSplit::reduce(g).map(g, |range| {
+    let task = |range: std::ops::Range<usize>| {
         let mut out = vec![Moments::EMPTY; c];
         let x = &x[range];
         T::Stat::dispatch(
@@ -861,7 +865,14 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
             },
         );
         out
-    });
+    };
+    let split = PixelSplit::reduce(g);
+    if split.len() <= 1 {
+        // One task (a small tensor): its moments are the total, with no vector of
+        // per-task results.
+        return task(split.range(0));
+    }
+    let partials = split.map(g, task);
     // The first task's moments are the total so far (merging them into empty ones
     // gives the same bits).
     let mut partials = partials.into_iter();

@@ -199,6 +199,10 @@ fn on_enough_stack<R>(f: impl FnOnce() -> R) -> R {
 const DEBUG_STACK_RED_ZONE: usize = 6 << 20;
 const DEBUG_STACK: usize = 16 << 20;
 
+/// The most lanes of any ISA's vectors (AVX-512, f32): the stack room kernels keep for
+/// one vector's lanes.
+pub(crate) const MAX_LANES: usize = 16;
+
 /// An ISA token: proof that the ISA's instructions may be used, and the operations on
 /// its vector of `LANES` compute values `U`.
 ///
@@ -207,7 +211,7 @@ const DEBUG_STACK: usize = 16 << 20;
 /// fill the missing lanes with zero; stores write only the slice). `stream` is a store
 /// that may bypass the cache (non-temporal) for large outputs.
 pub trait Simd<U>: Copy + Send + Sync + 'static {
-    /// Lanes per vector.
+    /// Lanes per vector (at most [`MAX_LANES`]).
     const LANES: usize;
     /// Whether the ISA has non-temporal stores and prefetch hints. Where it has not
     /// (the portable ISA: [`Simd::stream_ptr`] is a plain store and the prefetches do
