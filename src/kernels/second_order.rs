@@ -620,6 +620,35 @@ mod tests {
                     std::any::type_name::<T>()
                 );
             }
+            // And both against the sums in f64 (where the two walks are one, past
+            // STRIP_GROUPS groups, this is what checks them): within 1e-4 of the sum of
+            // the terms' magnitudes (f32 lanes add at most 1024 values a tile).
+            if case != 2 {
+                for (ch, got) in by_pixel.iter().enumerate() {
+                    let (mut want, mut mag) = ([0f64; 6], [0f64; 6]);
+                    for p in 0..pixels {
+                        let v = |d: &[T], k: &[T::Stat]| {
+                            d[p * c + ch].widen().to_f64() - k[ch].to_f64()
+                        };
+                        let (gv, xv, av) = (v(&g, &kg), v(&x, &m), v(&a, &ka));
+                        let terms = [gv, av, gv * xv, av * xv, av * gv, xv];
+                        for k in 0..6 {
+                            want[k] += terms[k];
+                            mag[k] += terms[k].abs();
+                        }
+                    }
+                    for k in 0..6 {
+                        assert!(
+                            (got[k] - want[k]).abs() <= 1e-4 * mag[k] + 1e-30,
+                            "{isa:?} {} C={c} pixels={pixels} case {case} channel {ch} sum {k}: \
+                             {} vs {}",
+                            std::any::type_name::<T>(),
+                            got[k],
+                            want[k]
+                        );
+                    }
+                }
+            }
         }
         for isa in Isa::supported() {
             // C = 130: more channel groups than `STACK_GROUPS` on every ISA (the
