@@ -114,6 +114,34 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
     check_all(cases, 16);
 }
 
+/// Channels-last outputs past the streaming size (16 MiB) are written by two
+/// sequential streams a thread where a vector is under a line (16-bit types on every
+/// SIMD ISA, f32 with AVX2): each task's two halves in lockstep, then what is left.
+/// Every elementwise output pass on that path (forward, forward with a side input and
+/// Relu, the gradient's `x_backprop`) against the reference on every ISA, with C =
+/// 1000 (with AVX-512 and 16-bit types an odd number of vectors a period) and C = 67
+/// (tails, a period of many vectors), in buffers wherever the allocator puts them.
+#[test]
+fn streamed_channels_last_outputs_on_every_isa() {
+    let mut cases = Vec::new();
+    for shape in [[2, 64, 64, 1000], [1, 512, 250, 67]] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                let new = |op| {
+                    Case::new(op, DataFormat::Nhwc, &shape, dtype)
+                        .expect("valid case")
+                        .fill(far(dtype))
+                        .isa(isa)
+                };
+                cases.push(new(Op::FusedBatchNormV3).training(false));
+                cases.push(new(Op::FusedBatchNormEx).training(true).ex(true, true));
+                cases.push(new(Op::FusedBatchNormGradV3).training(true));
+            }
+        }
+    }
+    check_all(cases, 12);
+}
+
 #[test]
 fn forward_statistics_running_average() {
     sweep(Op::FusedBatchNormV3, &[far], |c| {
