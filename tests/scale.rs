@@ -114,19 +114,25 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
     check_all(cases, 16);
 }
 
-/// Channels-last outputs past the streaming size (16 MiB) are written by two
-/// sequential streams a thread where a vector is under a line (16-bit types on every
-/// SIMD ISA, f32 with AVX2): each task's two halves in lockstep, then what is left.
-/// Every elementwise output pass on that path (forward, forward with a side input and
-/// Relu, the gradient's `x_backprop`) against the reference on every ISA, with C =
-/// 1000 (with AVX-512 and 16-bit types an odd number of vectors a period) and C = 67
-/// (tails, a period of many vectors), in buffers wherever the allocator puts them.
+/// Channels-last outputs that are streamed (past 16 MiB and half the last-level cache,
+/// counted as at most 96 MiB: 48 MiB of output streams on every machine) are written by
+/// two sequential streams a thread where a vector is under a line (16-bit types on
+/// every SIMD ISA, f32 with AVX2): each task's two halves in lockstep, then what is
+/// left. Every elementwise output pass on that path (forward, forward with a side input
+/// and Relu, the gradient's `x_backprop`) against the reference, with C = 1000 (with
+/// AVX-512 and 16-bit types an odd number of vectors a period) and C = 67 (tails, a
+/// period of many vectors), in buffers wherever the allocator puts them.
 #[test]
 fn streamed_channels_last_outputs_on_every_isa() {
     let mut cases = Vec::new();
-    for shape in [[2, 64, 64, 1000], [1, 512, 250, 67]] {
+    // About 25.5 million elements: 51 MB in bf16.
+    for shape in [[2, 128, 100, 1000], [1, 1024, 370, 67]] {
         for isa in fusedbn::Isa::supported() {
             for dtype in [DType::F32, DType::BF16] {
+                let wide = isa == fusedbn::Isa::Avx512 && dtype == DType::F32;
+                if isa == fusedbn::Isa::Scalar || wide {
+                    continue; // One stream there: whole-line vectors, or no hints.
+                }
                 let new = |op| {
                     Case::new(op, DataFormat::Nhwc, &shape, dtype)
                         .expect("valid case")
@@ -139,7 +145,7 @@ fn streamed_channels_last_outputs_on_every_isa() {
             }
         }
     }
-    check_all(cases, 12);
+    check_all(cases, 6);
 }
 
 #[test]

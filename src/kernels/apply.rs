@@ -575,15 +575,17 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let (mut ins, mut out) = (sub_n(&ins, head, None), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);
     let singles = Reads::new(l, single, pattern.period);
-    // Streamed from DRAM with vectors under a line: the run's first two halves walked
-    // in lockstep (see `periodic_two`), the rest as below. Each half is a whole number
-    // of periods and of lines, so the second starts at the pattern's phase 0 and on a
-    // line, as the first does.
+    // Streamed from DRAM with vectors under a line and at most two inputs: the run's
+    // first two halves walked in lockstep (see `periodic_two`), the rest as below. Each
+    // half is a whole number of periods and of lines, so the second starts at the
+    // pattern's phase 0 and on a line, as the first does. With three inputs (the Ex
+    // gradient's dy, x and y: six streams read a thread) bf16 AVX2 was slower (NHWC
+    // 64x56x56x256, 1.22 -> 1.67 of a copy, `scripts/ab.sh 3`).
     let line = (64 / size_of::<T>()).max(1);
     let unit = lcm(pattern.period, line);
     let half = out.len() / 2 / unit * unit;
     let aligned = (out.as_ptr() as usize).is_multiple_of(l * size_of::<T>());
-    if S::HINTS && stream && aligned && l * size_of::<T>() < 64 && half > 0 {
+    if S::HINTS && stream && aligned && l * size_of::<T>() < 64 && N <= 2 && half > 0 {
         let (first, rest) = out.split_at_mut(half);
         let (second, rest) = rest.split_at_mut(half);
         let mut a = Walk::new(l, sub_n(&ins, 0, Some(half)), first);
