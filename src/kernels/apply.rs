@@ -720,9 +720,10 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
 /// once: each pair of vectors of the one, then the same pair of the other. Two
 /// sequential streams a thread keep more lines in flight from DRAM than one (with the
 /// prefetch of `STREAM_AHEAD_BYTES` ahead in each): a C model of the bf16 AVX2 pass
-/// (NHWC 64x56x56x256, two threads, Intel Xeon) took 1.16 of a `memcpy` with one
-/// stream and 1.05 with two, and a plain read of the same bytes 0.56 and 0.41.
-/// Elementwise, so the bits are those of any other order.
+/// (NHWC 64x56x56x256, two threads, Intel Xeon; `scripts/models/two_streams.c`) took
+/// 1.16 of a `memcpy` with one stream and 1.05 with two, and a plain read of the same
+/// bytes 0.65 and 0.50 (`scripts/models/read_streams.c`). Elementwise, so the bits are
+/// those of any other order.
 #[inline(always)]
 fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     s: S,
