@@ -337,6 +337,12 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
         // No streaming stores or prefetches on this ISA: one loop for every case.
         return splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf);
     }
+    // Streamed with AVX2 bf16 under `Simd::plain_nans`: the loops with the flag as a
+    // constant (see `Simd::plain_nans_const`).
+    let s = match s.plain_nans_const() {
+        Some(plain) if stream => return splat_stream(plain, w, k, f, pf, count, ahead),
+        _ => s,
+    };
     match (stream, count) {
         (true, 0) if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
         (true, 0) => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
@@ -345,6 +351,30 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
         (false, 1) => splat_body::<U, S, T, F, N, K, false, 1, false>(s, w, k, f, pf),
         (true, _) => splat_body::<U, S, T, F, N, K, true, 2, false>(s, w, k, f, pf),
         (false, _) => splat_body::<U, S, T, F, N, K, false, 2, false>(s, w, k, f, pf),
+    }
+}
+
+/// The streamed arms of [`splat_dispatch`], for a token whose flags are constants.
+#[inline(always)]
+fn splat_stream<U, S, T, F, const N: usize, const K: usize>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    k: [S::V; K],
+    f: &F,
+    pf: [*const T; 2],
+    count: usize,
+    ahead: bool,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    match count {
+        0 if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
+        0 => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
+        1 => splat_body::<U, S, T, F, N, K, true, 1, false>(s, w, k, f, pf),
+        _ => splat_body::<U, S, T, F, N, K, true, 2, false>(s, w, k, f, pf),
     }
 }
 
@@ -391,7 +421,16 @@ fn splat_body<
     // from 0.88 to 1.29 of a copy.)
     // (Known at compile time where the alignment is a vector's: those loops are as they
     // were.)
+    // Every pair after that first vector then starts at a multiple of the alignment,
+    // which is `Simd::cl_stream_align`'s: its stores need no test of their own
+    // (`Simd::stream_pair_cl_whole_ptr`).
     let pair_align = s.pair_stream_align::<T>();
+    assert!(
+        !STREAM
+            || pair_align == s.cl_stream_align::<T>()
+                && (pair_align == S::LANES || pair_align == 2 * S::LANES)
+                && w.aligned()
+    );
     let first = usize::from(
         STREAM && pair_align > S::LANES && total > 0 && !w.aligned_to(pair_align * size_of::<T>()),
     );
@@ -416,8 +455,14 @@ fn splat_body<
         // above.
         let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };
         let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
-        // SAFETY: as for the load.
-        unsafe { w.store_pair_unchecked::<S, STREAM>(s, j, a, b) };
+        if STREAM {
+            // SAFETY: as for the load; the pair starts at a multiple of
+            // `cl_stream_align` elements (asserted above).
+            unsafe { w.stream_pair_cl_unchecked::<S, true>(s, j, a, b) };
+        } else {
+            // SAFETY: as for the load.
+            unsafe { w.store_pair_unchecked::<S, false>(s, j, a, b) };
+        }
     }
     if (total - first) % 2 == 1 {
         let j = total - 1;
@@ -581,25 +626,49 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     // pattern's phase 0 and on a line, as the first does. With three inputs (the Ex
     // gradient's dy, x and y: six streams read a thread) bf16 AVX2 was slower (NHWC
     // 64x56x56x256, 1.22 -> 1.67 of a copy, `scripts/ab.sh 3`).
+    //
+    // The streamed loops decide two things once a run, not once a store: whether every
+    // pair starts at a multiple of `Simd::cl_stream_align` (an even number of vectors
+    // a period, from an output so aligned: `Simd::stream_pair_cl_whole_ptr`), and
+    // whether the bf16 narrowing may skip its NaN test (`Simd::plain_nans_const`).
+    // Both tests had stayed in the AVX2 loops, a test and a branch each a store.
     let line = (64 / size_of::<T>()).max(1);
     let unit = lcm(pattern.period, line);
     let half = out.len() / 2 / unit * unit;
-    let aligned = (out.as_ptr() as usize).is_multiple_of(l * size_of::<T>());
-    if S::HINTS && stream && aligned && l * size_of::<T>() < 64 && N <= 2 && half > 0 {
+    let whole_at = s.cl_stream_align::<T>() * size_of::<T>();
+    let even = consts.vectors().is_multiple_of(2);
+    let whole = even && (out.as_ptr() as usize).is_multiple_of(whole_at);
+    if S::HINTS && stream && whole && l * size_of::<T>() < 64 && N <= 2 && half > 0 {
         let (first, rest) = out.split_at_mut(half);
         let (second, rest) = rest.split_at_mut(half);
         let mut a = Walk::new(l, sub_n(&ins, 0, Some(half)), first);
         let mut b = Walk::new(l, sub_n(&ins, half, Some(half)), second);
-        periodic_two::<U, S, T, F, N, K>(s, [&mut a, &mut b], [&consts, &singles], f);
+        let (walks, reads) = ([&mut a, &mut b], [&consts, &singles]);
+        match s.plain_nans_const() {
+            Some(p) => periodic_two::<U, S, T, F, N, K>(p, walks, reads, f),
+            None => periodic_two::<U, S, T, F, N, K>(s, walks, reads, f),
+        }
         ins = sub_n(&ins, 2 * half, None);
         out = rest;
     }
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
+        let reads = [&consts, &singles];
         if S::HINTS && stream && w.aligned() {
-            periodic_body::<U, S, T, F, N, K, true>(s, &mut w, [&consts, &singles], f);
+            match (even && w.aligned_to(whole_at), s.plain_nans_const()) {
+                (true, Some(p)) => {
+                    periodic_body::<U, S, T, F, N, K, true, true>(p, &mut w, reads, f)
+                }
+                (true, None) => periodic_body::<U, S, T, F, N, K, true, true>(s, &mut w, reads, f),
+                (false, Some(p)) => {
+                    periodic_body::<U, S, T, F, N, K, true, false>(p, &mut w, reads, f)
+                }
+                (false, None) => {
+                    periodic_body::<U, S, T, F, N, K, true, false>(s, &mut w, reads, f)
+                }
+            }
         } else {
-            periodic_body::<U, S, T, F, N, K, false>(s, &mut w, [&consts, &singles], f);
+            periodic_body::<U, S, T, F, N, K, false, false>(s, &mut w, reads, f);
         }
         w.tail()
     };
@@ -611,8 +680,20 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
+/// The loops of [`periodic`] over one walk; `STREAM`: non-temporal stores (the output
+/// [`Walk::aligned`]); `WHOLE`: every pair of the non-quad loop starts at a multiple of
+/// [`Simd::cl_stream_align`] (the output aligned so, an even number of vectors a period).
 #[inline(always)]
-fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>(
+fn periodic_body<
+    U,
+    S,
+    T,
+    F,
+    const N: usize,
+    const K: usize,
+    const STREAM: bool,
+    const WHOLE: bool,
+>(
     s: S,
     w: &mut Walk<'_, T, N>,
     [consts, singles]: [&Reads<'_, U, K>; 2],
@@ -629,6 +710,7 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
     // every run of vectors is at most one period (`per`) long and ends by `total`.
     assert!(w.reads.lanes_of(s) && consts.lanes_of(s) && singles.lanes_of(s));
     assert!(singles.vectors() == per && (per > 0 || total == 0));
+    assert!(!WHOLE || (STREAM && per.is_multiple_of(2) && w.aligned_to(whole_bytes(s, w))));
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
     let mut j0 = 0;
     let const_bytes = K * per * S::LANES * std::mem::size_of::<U>();
@@ -701,8 +783,10 @@ fn periodic_body<U, S, T, F, const N: usize, const K: usize, const STREAM: bool>
                 unsafe { (consts.load_unchecked(s, q), consts.load_unchecked(s, q + 1)) };
             let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
             if STREAM {
-                // Aligned: streaming is asked for only after `Walk::aligned`.
-                unsafe { w.stream_pair_cl_unchecked(s, j0 + q, a, b) };
+                // Aligned: streaming is asked for only after `Walk::aligned`; with
+                // `WHOLE`, `j0` and `q` are even and the output is aligned to
+                // `cl_stream_align` (checked above).
+                unsafe { w.stream_pair_cl_unchecked::<S, WHOLE>(s, j0 + q, a, b) };
             } else {
                 unsafe { w.store_pair_unchecked::<S, STREAM>(s, j0 + q, a, b) };
             }
@@ -738,12 +822,13 @@ fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
 {
     let (total, per) = (walks[0].vectors(), consts.vectors());
     // The ranges of every access below, proved once: both walks are `total` vectors,
-    // a whole number of periods of `per` vectors, and may be streamed.
-    assert!(walks
-        .iter()
-        .all(|w| w.reads.lanes_of(s) && w.aligned() && w.vectors() == total));
+    // a whole number of periods of an even number `per` of vectors, and start at a
+    // multiple of `cl_stream_align` elements, so every pair does.
+    assert!(walks.iter().all(|w| {
+        w.reads.lanes_of(s) && w.aligned_to(whole_bytes(s, w)) && w.vectors() == total
+    }));
     assert!(consts.lanes_of(s) && singles.lanes_of(s) && singles.vectors() == per);
-    assert!(per > 0 && total.is_multiple_of(per));
+    assert!(per > 0 && per.is_multiple_of(2) && total.is_multiple_of(per));
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
     let [wa, wb] = walks;
     for j0 in (0..total).step_by(per) {
@@ -757,18 +842,19 @@ fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
                 w.reads.prefetch_ahead(s, j0 + q, ahead, 2 * S::LANES);
                 let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j0 + q) };
                 let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
-                unsafe { w.stream_pair_cl_unchecked(s, j0 + q, a, b) };
-            }
-        }
-        if per % 2 == 1 {
-            let q = per - 1;
-            let k = singles.load(s, q);
-            for w in [&mut *wa, &mut *wb] {
-                let v = f.eval(s, w.load(s, j0 + q), k);
-                w.store::<S, true>(s, j0 + q, v);
+                unsafe { w.stream_pair_cl_unchecked::<S, true>(s, j0 + q, a, b) };
             }
         }
     }
+}
+
+/// The bytes a pair that [`Simd::stream_pair_cl_whole_ptr`] stores starts at a multiple of.
+#[inline(always)]
+fn whole_bytes<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    _: &Walk<'_, T, N>,
+) -> usize {
+    s.cl_stream_align::<T>() * size_of::<T>()
 }
 
 /// The most bytes of constants a period of lcm(C, 2·lanes) may take; above it the

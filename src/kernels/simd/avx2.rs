@@ -387,6 +387,33 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn stream_pair_cl_whole_ptr<T: Element<Stat = f32>>(
+        self,
+        p: *mut T,
+        a: __m256,
+        b: __m256,
+    ) {
+        // SAFETY: the caller guarantees 16 writable elements at `p`, aligned to
+        // `cl_stream_align` elements: 16 of a 16-bit type (32 bytes, what the one
+        // 32-byte store needs), 8 of f32 (32 bytes, two 32-byte stores).
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    _mm256_stream_si256(p.cast(), to_bf16_even_odd(a, b, self.plain_nans))
+                }
+                DType::F16 => {
+                    let (lo, hi) = (_mm256_cvtps_ph::<RNE>(a), _mm256_cvtps_ph::<RNE>(b));
+                    _mm256_stream_si256(p.cast(), _mm256_set_m128i(hi, lo))
+                }
+                _ => self.stream2_ptr(p, a, b),
+            }
+        }
+    }
+    #[inline(always)]
+    fn plain_nans_const(self) -> Option<Avx2> {
+        self.plain_nans.then_some(Avx2 { plain_nans: true })
+    }
+    #[inline(always)]
     fn pair_stream_align<T: Element<Stat = f32>>(self) -> usize {
         self.cl_stream_align::<T>()
     }

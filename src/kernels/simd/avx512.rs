@@ -292,6 +292,26 @@ impl Simd<f32> for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn stream_pair_cl_whole_ptr<T: Element<Stat = f32>>(
+        self,
+        p: *mut T,
+        a: __m512,
+        b: __m512,
+    ) {
+        // SAFETY: the caller guarantees 32 writable elements at `p`, aligned to
+        // `cl_stream_align` elements: a 64-byte line for every type, what the 64-byte
+        // non-temporal stores need (`stream2_ptr` without its test).
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 | DType::F16 => _mm512_stream_si512(p.cast(), pack16::<T>(self, a, b)),
+                _ => {
+                    self.stream_ptr(p, a);
+                    self.stream_ptr(p.add(L), b);
+                }
+            }
+        }
+    }
+    #[inline(always)]
     fn cl_stream_align<T: Element<Stat = f32>>(self) -> usize {
         self.pair_stream_align::<T>()
     }

@@ -371,6 +371,33 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         // SAFETY: the caller's guarantee.
         unsafe { self.stream_pair_ptr(p, a, b) }
     }
+    /// As [`Simd::stream_pair_cl_ptr`], for a pair known to start at a multiple of
+    /// [`Simd::cl_stream_align`] elements: without the alignment test a store that
+    /// the other takes (the loops decide it once a run: `apply::periodic`, and
+    /// `apply::splat_body` for channel-major runs, whose pairs are aligned to
+    /// [`Simd::pair_stream_align`], the same alignment on every ISA).
+    ///
+    /// # Safety
+    /// As [`Simd::stream_pair_ptr`], and `p` is aligned to `cl_stream_align::<T>()`
+    /// elements.
+    #[inline(always)]
+    unsafe fn stream_pair_cl_whole_ptr<T: Element<Stat = U>>(
+        self,
+        p: *mut T,
+        a: Self::V,
+        b: Self::V,
+    ) {
+        // SAFETY: the caller's guarantee (more than `stream_pair_cl_ptr` needs).
+        unsafe { self.stream_pair_cl_ptr(p, a, b) }
+    }
+    /// This token with its [`Simd::plain_nans`] flag as a constant, where the flag is
+    /// set; `None` where it is not (always, on the ISAs that ignore it). A loop run
+    /// with the token returned has no NaN test in its narrowing: the test of the flag
+    /// stayed in the machine code of the AVX2 bf16 loops, once a store.
+    #[inline(always)]
+    fn plain_nans_const(self) -> Option<Self> {
+        None
+    }
     /// Loads `LANES` elements (`src.len() >= LANES`).
     #[inline(always)]
     fn load<T: Element<Stat = U>>(self, src: &[T]) -> Self::V {
@@ -738,12 +765,14 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     }
 
     /// [`Walk::store_pair_unchecked`], streamed with [`Simd::stream_pair_cl_ptr`] (the
-    /// channels-last elementwise passes).
+    /// channels-last elementwise passes), or with `WHOLE` with
+    /// [`Simd::stream_pair_cl_whole_ptr`].
     ///
     /// # Safety
-    /// As [`Walk::store_pair_unchecked`], and the output is [`Walk::aligned`].
+    /// As [`Walk::store_pair_unchecked`], and the output is [`Walk::aligned`]; with
+    /// `WHOLE`, vector `j` starts at a multiple of [`Simd::cl_stream_align`] elements.
     #[inline(always)]
-    pub unsafe fn stream_pair_cl_unchecked<S: Simd<T::Stat>>(
+    pub unsafe fn stream_pair_cl_unchecked<S: Simd<T::Stat>, const WHOLE: bool>(
         &mut self,
         s: S,
         j: usize,
@@ -754,7 +783,16 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         debug_assert!(self.aligned());
         // SAFETY: `(j + 2)·lanes <= len = out.len()` and the alignment (the caller's
         // guarantee); the output is borrowed mutably for the life of `self`.
-        unsafe { s.stream_pair_cl_ptr(self.out.add(j * self.reads.lanes), a, b) }
+        unsafe {
+            let p = self.out.add(j * self.reads.lanes);
+            if WHOLE {
+                debug_assert!((p as usize)
+                    .is_multiple_of(s.cl_stream_align::<T>() * std::mem::size_of::<T>()));
+                s.stream_pair_cl_whole_ptr(p, a, b)
+            } else {
+                s.stream_pair_cl_ptr(p, a, b)
+            }
+        }
     }
 
     /// [`Walk::store_two`] without its check.
