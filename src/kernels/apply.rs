@@ -337,31 +337,24 @@ fn splat_dispatch<U, S, T, F, const N: usize, const K: usize>(
         // No streaming stores or prefetches on this ISA: one loop for every case.
         return splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf);
     }
-    // Streamed with AVX2 bf16 under `Simd::plain_nans`: the loops with the flag as a
-    // constant (see `Simd::plain_nans_const`).
-    let s = match s.plain_nans_const() {
-        Some(plain) if stream => return splat_stream(plain, w, k, f, pf, count, ahead),
-        _ => s,
-    };
-    match (stream, count) {
-        (true, 0) if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
-        (true, 0) => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
-        (false, 0) => splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf),
-        (true, 1) => splat_body::<U, S, T, F, N, K, true, 1, false>(s, w, k, f, pf),
-        (false, 1) => splat_body::<U, S, T, F, N, K, false, 1, false>(s, w, k, f, pf),
-        (true, _) => splat_body::<U, S, T, F, N, K, true, 2, false>(s, w, k, f, pf),
-        (false, _) => splat_body::<U, S, T, F, N, K, false, 2, false>(s, w, k, f, pf),
+    // bf16 with AVX2 under `Simd::plain_nans`: the loops with the flag as a constant
+    // (see `Simd::plain_nans_const`).
+    match s.plain_nans_const::<T>() {
+        Some(plain) => splat_arms(plain, w, k, f, pf, stream, count, ahead),
+        None => splat_arms(s, w, k, f, pf, stream, count, ahead),
     }
 }
 
-/// The streamed arms of [`splat_dispatch`], for a token whose flags are constants.
+/// The arms of [`splat_dispatch`] on an ISA with hints.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn splat_stream<U, S, T, F, const N: usize, const K: usize>(
+fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
     s: S,
     w: &mut Walk<'_, T, N>,
     k: [S::V; K],
     f: &F,
     pf: [*const T; 2],
+    stream: bool,
     count: usize,
     ahead: bool,
 ) where
@@ -370,11 +363,14 @@ fn splat_stream<U, S, T, F, const N: usize, const K: usize>(
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
-    match count {
-        0 if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
-        0 => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
-        1 => splat_body::<U, S, T, F, N, K, true, 1, false>(s, w, k, f, pf),
-        _ => splat_body::<U, S, T, F, N, K, true, 2, false>(s, w, k, f, pf),
+    match (stream, count) {
+        (true, 0) if ahead => splat_body::<U, S, T, F, N, K, true, 0, true>(s, w, k, f, pf),
+        (true, 0) => splat_body::<U, S, T, F, N, K, true, 0, false>(s, w, k, f, pf),
+        (false, 0) => splat_body::<U, S, T, F, N, K, false, 0, false>(s, w, k, f, pf),
+        (true, 1) => splat_body::<U, S, T, F, N, K, true, 1, false>(s, w, k, f, pf),
+        (false, 1) => splat_body::<U, S, T, F, N, K, false, 1, false>(s, w, k, f, pf),
+        (true, _) => splat_body::<U, S, T, F, N, K, true, 2, false>(s, w, k, f, pf),
+        (false, _) => splat_body::<U, S, T, F, N, K, false, 2, false>(s, w, k, f, pf),
     }
 }
 
@@ -644,7 +640,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
         let mut a = Walk::new(l, sub_n(&ins, 0, Some(half)), first);
         let mut b = Walk::new(l, sub_n(&ins, half, Some(half)), second);
         let (walks, reads) = ([&mut a, &mut b], [&consts, &singles]);
-        match s.plain_nans_const() {
+        match s.plain_nans_const::<T>() {
             Some(p) => periodic_two::<U, S, T, F, N, K>(p, walks, reads, f),
             None => periodic_two::<U, S, T, F, N, K>(s, walks, reads, f),
         }
@@ -655,7 +651,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
         let mut w = Walk::new(l, ins, &mut *out);
         let reads = [&consts, &singles];
         if S::HINTS && stream && w.aligned() {
-            match (even && w.aligned_to(whole_at), s.plain_nans_const()) {
+            match (even && w.aligned_to(whole_at), s.plain_nans_const::<T>()) {
                 (true, Some(p)) => {
                     periodic_body::<U, S, T, F, N, K, true, true>(p, &mut w, reads, f)
                 }
@@ -668,7 +664,10 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
                 }
             }
         } else {
-            periodic_body::<U, S, T, F, N, K, false, false>(s, &mut w, reads, f);
+            match s.plain_nans_const::<T>() {
+                Some(p) => periodic_body::<U, S, T, F, N, K, false, false>(p, &mut w, reads, f),
+                None => periodic_body::<U, S, T, F, N, K, false, false>(s, &mut w, reads, f),
+            }
         }
         w.tail()
     };

@@ -632,6 +632,12 @@ pub fn forward_training<T: Element>(
         // AVX-512, 64x56x56x256 and 64x112x112x64, f32/bf16/f16) the 16-bit cells were
         // 0.01-0.06 of a copy slower (forward training f16 64x112x112x64 1.335 -> 1.374,
         // backward training bf16 1.281 -> 1.338), f32 within 0.03; so memory order.
+        // Tried too (2026-11-30): the reduction's tasks last first instead, the output
+        // pass in memory order (results merged in task order: the same bits), so that
+        // each pass starts where the one before ended. Same machine, `scripts/ab.sh 3`,
+        // NHWC 64x112x112x64: forward training bf16 AVX2 1.65 -> 2.02, AVX-512 1.29 ->
+        // 1.50, f16 AVX-512 1.20 -> 1.42, f32 AVX-512 1.15 -> 1.27; backward training
+        // within 0.06. Not kept.
         let moments = stats::channel_moments(g, isa, x);
         let k = Columns::new(g.channels, |c| coeffs(c, moments[c]));
         apply::affine(g, isa, x, k.get(), epi, y);

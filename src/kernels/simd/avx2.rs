@@ -410,8 +410,8 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
-    fn plain_nans_const(self) -> Option<Avx2> {
-        self.plain_nans.then_some(Avx2 { plain_nans: true })
+    fn plain_nans_const<T: Element<Stat = f32>>(self) -> Option<Avx2> {
+        (T::DTYPE == DType::BF16 && self.plain_nans).then_some(Avx2 { plain_nans: true })
     }
     #[inline(always)]
     fn pair_stream_align<T: Element<Stat = f32>>(self) -> usize {

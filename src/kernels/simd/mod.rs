@@ -391,11 +391,13 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         unsafe { self.stream_pair_cl_ptr(p, a, b) }
     }
     /// This token with its [`Simd::plain_nans`] flag as a constant, where the flag is
-    /// set; `None` where it is not (always, on the ISAs that ignore it). A loop run
-    /// with the token returned has no NaN test in its narrowing: the test of the flag
-    /// stayed in the machine code of the AVX2 bf16 loops, once a store.
+    /// set and narrowing to `T` reads it; `None` otherwise (always, on the ISAs that
+    /// ignore the flag, and for every type but bf16, so that no second copy of their
+    /// loops is compiled). A loop run with the token returned has no NaN test in its
+    /// narrowing: the test of the flag stayed in the machine code of the AVX2 bf16
+    /// loops, once a store.
     #[inline(always)]
-    fn plain_nans_const(self) -> Option<Self> {
+    fn plain_nans_const<T: Element<Stat = U>>(self) -> Option<Self> {
         None
     }
     /// Loads `LANES` elements (`src.len() >= LANES`).
