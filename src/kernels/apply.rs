@@ -631,7 +631,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let line = (64 / size_of::<T>()).max(1);
     let unit = lcm(pattern.period, line);
     let half = out.len() / 2 / unit * unit;
-    let whole_at = s.cl_stream_align::<T>() * size_of::<T>();
+    let whole_at = whole_bytes::<U, S, T>(s);
     let even = consts.vectors().is_multiple_of(2);
     let whole = even && (out.as_ptr() as usize).is_multiple_of(whole_at);
     if S::HINTS && stream && whole && l * size_of::<T>() < 64 && N <= 2 && half > 0 {
@@ -709,7 +709,7 @@ fn periodic_body<
     // every run of vectors is at most one period (`per`) long and ends by `total`.
     assert!(w.reads.lanes_of(s) && consts.lanes_of(s) && singles.lanes_of(s));
     assert!(singles.vectors() == per && (per > 0 || total == 0));
-    assert!(!WHOLE || (STREAM && per.is_multiple_of(2) && w.aligned_to(whole_bytes(s, w))));
+    assert!(!WHOLE || (STREAM && per.is_multiple_of(2) && w.aligned_to(whole_bytes::<U, S, T>(s))));
     let ahead = STREAM_AHEAD_BYTES / size_of::<T>();
     let mut j0 = 0;
     let const_bytes = K * per * S::LANES * std::mem::size_of::<U>();
@@ -824,7 +824,7 @@ fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     // a whole number of periods of an even number `per` of vectors, and start at a
     // multiple of `cl_stream_align` elements, so every pair does.
     assert!(walks.iter().all(|w| {
-        w.reads.lanes_of(s) && w.aligned_to(whole_bytes(s, w)) && w.vectors() == total
+        w.reads.lanes_of(s) && w.aligned_to(whole_bytes::<U, S, T>(s)) && w.vectors() == total
     }));
     assert!(consts.lanes_of(s) && singles.lanes_of(s) && singles.vectors() == per);
     assert!(per > 0 && per.is_multiple_of(2) && total.is_multiple_of(per));
@@ -847,12 +847,11 @@ fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
-/// The bytes a pair that [`Simd::stream_pair_cl_whole_ptr`] stores starts at a multiple of.
+/// The bytes a pair that [`Simd::stream_pair_cl_whole_ptr`] stores starts at a multiple
+/// of: [`Simd::cl_stream_align`] elements (one rule for the check before the walks are
+/// made and the asserts of the loops).
 #[inline(always)]
-fn whole_bytes<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
-    s: S,
-    _: &Walk<'_, T, N>,
-) -> usize {
+fn whole_bytes<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S) -> usize {
     s.cl_stream_align::<T>() * size_of::<T>()
 }
 
