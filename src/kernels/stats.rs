@@ -425,9 +425,6 @@ struct PixelMoments<'a, T: Element> {
     out: &'a mut [Moments],
     /// Pixels of over four vectors go four at a time (see [`deviation_sums_px`]).
     quads: bool,
-    /// The tiles after the first walked as two halves in lockstep when pixels are over
-    /// four vectors (see [`deviation_sums_px_two`]): for tensors read from DRAM.
-    two: bool,
 }
 
 impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
@@ -443,7 +440,7 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         // One buffer per kind, on the stack for few channel groups: on small tensors
         // malloc and free were a quarter of the pass (perf, 2x8x8x32 f32), with seven
         // allocations a task, and still counted with three.
-        let mut vectors: Scratch<S::V, 40> = scratch(zero, groups + 4 * sets * groups);
+        let mut vectors: Scratch<S::V, 32> = scratch(zero, groups + 3 * sets * groups);
         let (pivot, acc) = vectors.split_at_mut(groups);
         let mut lanes_buf: Scratch<T::Stat, { 3 * 8 * MAX_LANES }> =
             scratch(T::Stat::ZERO, 3 * groups * l);
@@ -458,12 +455,38 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let (count, rest) = columns.split_at_mut(c);
         let (s1, s2) = rest.split_at_mut(c);
         let mut exact: Vec<Moments> = Vec::new();
-        // A tile's sums taken into the columns, or its badly shifted channels (drift,
-        // NaN, Inf: a tile mean more than one std from the pivot) redone exactly on
-        // their own, so no channel's data changes another channel's result.
-        let mut take = |tile: &[T], sum1: &[T::Stat], sum2: &[T::Stat]| {
+        let tile_len = pixels_per_tile(c) * c;
+        let mut first = true;
+        for tile in self.x.chunks(tile_len) {
             let n = tile.len() / c;
             let inv_n = 1.0 / n as f64;
+            let (pivots, rest) = lanes.split_at_mut(groups * l);
+            let (sum1, sum2) = rest.split_at_mut(groups * l);
+            if first {
+                // The task's pivots: the means of its first few pixels (an estimate of
+                // the tile's mean within a fraction of a std for any but drifting data),
+                // then the tile's sums around them. Should any channel of this first
+                // tile come out badly shifted, the pivots become the whole tile's means
+                // and the tile is summed again (what every task did before: a whole
+                // extra pass over the first tile, which was a third of the statistics
+                // time at C = 2048, where a task is two tiles).
+                first = false;
+                let head = PIVOT_PIXELS.min(n) * c;
+                tile_pivots(s, &tile[..head], c, sets, acc, pivot, pivots);
+                deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
+                let shifted =
+                    |ch: usize| well_shifted_inv(inv_n, sum1[ch].to_f64(), sum2[ch].to_f64());
+                if head < tile.len() && !(0..c).all(shifted) {
+                    tile_pivots(s, tile, c, sets, acc, pivot, pivots);
+                    deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
+                }
+            } else {
+                // One pass around the pivots.
+                deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
+            }
+            // A channel whose tile mean lies more than one std from its pivot (drift,
+            // NaN, Inf) is redone exactly on its own, so no channel's data changes
+            // another channel's result.
             let (sum1, sum2) = (&sum1[..c], &sum2[..c]);
             let mut all = true;
             for ch in 0..c {
@@ -488,72 +511,6 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
                         exact[ch] = exact[ch].merge(channel_exact(tile, c, ch));
                     }
                 }
-            }
-        };
-        let tile_len = pixels_per_tile(c) * c;
-        let tiles = self.x.len().div_ceil(tile_len);
-        let tile = |k: usize| &self.x[k * tile_len..((k + 1) * tile_len).min(self.x.len())];
-        let (pivots, rest) = lanes.split_at_mut(groups * l);
-        let (sum1, sum2) = rest.split_at_mut(groups * l);
-        if tiles > 0 {
-            // The task's pivots: the means of its first few pixels (an estimate of the
-            // tile's mean within a fraction of a std for any but drifting data), then
-            // the tile's sums around them. Should any channel of this first tile come
-            // out badly shifted, the pivots become the whole tile's means and the tile
-            // is summed again (what every task did before: a whole extra pass over the
-            // first tile, which was a third of the statistics time at C = 2048, where a
-            // task is two tiles).
-            let first = tile(0);
-            let n = first.len() / c;
-            let head = PIVOT_PIXELS.min(n) * c;
-            tile_pivots(s, &first[..head], c, sets, acc, pivot, pivots);
-            deviation_sums_px(s, first, c, sets, pivot, acc, self.quads, (sum1, sum2));
-            let inv_n = 1.0 / n as f64;
-            let shifted =
-                |ch: usize| well_shifted_inv(inv_n, sum1[ch].to_f64(), sum2[ch].to_f64());
-            if head < first.len() && !(0..c).all(shifted) {
-                tile_pivots(s, first, c, sets, acc, pivot, pivots);
-                deviation_sums_px(s, first, c, sets, pivot, acc, self.quads, (sum1, sum2));
-            }
-            take(first, sum1, sum2);
-        }
-        // The other tiles, one pass each around the pivots.
-        if self.two && groups > 4 && tiles >= 3 {
-            // As two halves in lockstep (see `deviation_sums_px_two`), their sums kept
-            // and taken in tile order: the bits of one tile at a time.
-            let (h, last_full) = ((tiles - 1).div_ceil(2), self.x.len() % tile_len == 0);
-            let pairs = tiles - 1 - h - usize::from(!last_full);
-            let width = 2 * groups * l;
-            let mut sums = vec![T::Stat::ZERO; (tiles - 1) * width];
-            {
-                let mut per_tile: Vec<&mut [T::Stat]> = sums.chunks_mut(width).collect();
-                let (front, back) = per_tile.split_at_mut(h);
-                for (k, (fa, fb)) in front.iter_mut().zip(back.iter_mut()).enumerate() {
-                    let (ta, tb) = (tile(1 + k), tile(1 + h + k));
-                    let (a1, a2) = fa.split_at_mut(groups * l);
-                    let (b1, b2) = fb.split_at_mut(groups * l);
-                    if k < pairs {
-                        let sums = ((a1, a2), (b1, b2));
-                        deviation_sums_px_two(s, (ta, tb), c, sets, pivot, acc, self.quads, sums);
-                    } else {
-                        deviation_sums_px(s, ta, c, sets, pivot, acc, self.quads, (a1, a2));
-                        deviation_sums_px(s, tb, c, sets, pivot, acc, self.quads, (b1, b2));
-                    }
-                }
-                for (k, f) in front.iter_mut().enumerate().skip(tiles - 1 - h) {
-                    let (a1, a2) = f.split_at_mut(groups * l);
-                    deviation_sums_px(s, tile(1 + k), c, sets, pivot, acc, self.quads, (a1, a2));
-                }
-            }
-            for (k, t) in sums.chunks(width).enumerate() {
-                let (a, b) = t.split_at(groups * l);
-                take(tile(1 + k), a, b);
-            }
-        } else {
-            for k in 1..tiles {
-                let t = tile(k);
-                deviation_sums_px(s, t, c, sets, pivot, acc, self.quads, (sum1, sum2));
-                take(t, sum1, sum2);
             }
         }
         for ch in 0..c {
@@ -656,7 +613,7 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     quads: bool,
     (sum1, sum2): (&mut [U], &mut [U]),
 ) {
-    let groups = pivot.len();
+    let (l, groups) = (S::LANES, pivot.len());
     // Pixels of up to four vectors (C ≤ 32 f32 lanes on AVX2, 64 on AVX-512): every
     // accumulator in a register.
     match groups {
@@ -666,94 +623,12 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         4 => return deviation_sums_regs::<U, S, T, 4, 1>(s, tile, c, pivot, (sum1, sum2)),
         _ => {}
     }
+    let (full, zero) = (c / l, s.splat(U::ZERO));
     let (v1, rest) = acc.split_at_mut(sets * groups);
     let v2 = &mut rest[..sets * groups];
-    v1.fill(s.splat(U::ZERO));
-    v2.fill(s.splat(U::ZERO));
-    // With `quads`, four pixels at a time: one accumulator update (two loads, two
-    // stores) per four vectors of x, not per vector. For tensors in cache, where those
-    // stores were the bottleneck (Zen 4, f32 moments, interleaved medians): 16x7x7x2048
-    // 0.36 -> 0.27 ms with AVX-512, 0.37 -> 0.32 ms with AVX2; 16x14x14x1024 AVX-512
-    // 0.51 -> 0.39 ms; 16x14x14x256 AVX2 0.130 -> 0.091 ms. From DRAM the four interleaved pixel streams were
-    // slower than memory order (64x56x56x256 f32 AVX-512 8.4 -> 9.5 ms, 16x28x28x512
-    // f32 AVX2 0.85 -> 1.21 ms), so larger f32 tensors keep one pixel at a time
-    // (16-bit ones do not: see `channels_last`).
-    let mut blocks = tile.chunks_exact(4 * c);
-    if quads {
-        for q in &mut blocks {
-            wide_quad(s, q, c, pivot, &mut v1[..groups], &mut v2[..groups]);
-        }
-    }
-    let rest = if quads { blocks.remainder() } else { tile };
-    wide_finish(s, rest, c, sets, pivot, (v1, v2), (sum1, sum2));
-}
-
-/// [`deviation_sums_px`] of two tiles of the same length at once, for pixels of over
-/// four vectors: quad `i` (or, without `quads`, pixel `i`) of `a`, then that of `b`,
-/// each into its own accumulators, so each tile's sums are added in the order
-/// [`deviation_sums_px`] adds them and come out with its bits. `acc` holds at least
-/// `4·sets·groups` vectors.
-///
-/// Two sequential streams a thread, not one: on the Intel Xeon of 2026-11-29 a C model
-/// of the pass (`scripts/models/stats_streams.c`, NHWC 64x56x56x256 bf16, AVX2) read
-/// DRAM in 0.50–0.52 of a memcpy's time with a task's tiles after the first walked as
-/// two halves in lockstep, against 0.56–0.61 as one stream: the hardware prefetchers
-/// keep more lines in flight for two streams than for one.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn deviation_sums_px_two<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    (ta, tb): (&[T], &[T]),
-    c: usize,
-    sets: usize,
-    pivot: &[S::V],
-    acc: &mut [S::V],
-    quads: bool,
-    (sa, sb): ((&mut [U], &mut [U]), (&mut [U], &mut [U])),
-) {
-    let groups = pivot.len();
-    assert!(groups > 4 && ta.len() == tb.len() && ta.len().is_multiple_of(c));
-    let (a1, rest) = acc.split_at_mut(sets * groups);
-    let (a2, rest) = rest.split_at_mut(sets * groups);
-    let (b1, rest) = rest.split_at_mut(sets * groups);
-    let b2 = &mut rest[..sets * groups];
-    for v in [&mut *a1, &mut *a2, &mut *b1, &mut *b2] {
-        v.fill(s.splat(U::ZERO));
-    }
-    if quads {
-        let (mut qa, mut qb) = (ta.chunks_exact(4 * c), tb.chunks_exact(4 * c));
-        for (x, y) in (&mut qa).zip(&mut qb) {
-            wide_quad(s, x, c, pivot, &mut a1[..groups], &mut a2[..groups]);
-            wide_quad(s, y, c, pivot, &mut b1[..groups], &mut b2[..groups]);
-        }
-        wide_finish(s, qa.remainder(), c, sets, pivot, (a1, a2), sa);
-        wide_finish(s, qb.remainder(), c, sets, pivot, (b1, b2), sb);
-    } else {
-        let mut set = 0;
-        for (x, y) in ta.chunks_exact(c).zip(tb.chunks_exact(c)) {
-            let k = set * groups;
-            set = next_cyclic(set, sets);
-            wide_pixel(s, x, c, pivot, &mut a1[k..][..groups], &mut a2[k..][..groups]);
-            wide_pixel(s, y, c, pivot, &mut b1[k..][..groups], &mut b2[k..][..groups]);
-        }
-        wide_finish::<U, S, T>(s, &[], c, sets, pivot, (a1, a2), sa);
-        wide_finish::<U, S, T>(s, &[], c, sets, pivot, (b1, b2), sb);
-    }
-}
-
-/// One quad (four consecutive pixels of `c` channels, over four vectors each) into the
-/// accumulators `a` (`Σd`) and `b` (`Σd²`), one vector of each a channel group.
-#[inline(always)]
-fn wide_quad<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    q: &[T],
-    c: usize,
-    pivot: &[S::V],
-    a: &mut [S::V],
-    b: &mut [S::V],
-) {
-    let (l, groups) = (S::LANES, pivot.len());
-    let full = c / l;
+    v1.fill(zero);
+    v2.fill(zero);
+    let pivot = &pivot[..groups];
     // With over 4 vectors of channels the accumulators are in memory, and perf puts a
     // third of this loop on the instruction after the load of x: the loads likely wait
     // behind the accumulator stores (which they alias modulo 4 KiB), so a load that
@@ -765,92 +640,75 @@ fn wide_quad<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // 64x56x56x256 bf16 10.1 -> 5.5 ms), and in L2 it made no difference beyond the
     // noise (16x7x7x2048 and 16x14x14x1024, f32 and bf16).
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
-    let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
-    let pf = q.as_ptr().wrapping_add(ahead);
-    let (a, b) = (&mut a[..groups], &mut b[..groups]);
-    for g in 0..r.vectors().min(groups) {
-        let [x0, x1, x2, x3] = r.load(s, g);
-        // The four pixels are contiguous: the lines of the four vectors' worth
-        // of the quad at this step, in memory order. After the loads in the
-        // source, and so in the machine code: with the hints ahead of them
-        // (LLVM's choice from ed7a85c on, with no change here) NHWC forward
-        // training of 64x56x56x256 with AVX-512 took 1.28-1.30 of a copy
-        // instead of 1.20-1.24 in f16, 1.41-1.42 instead of 1.35 in bf16
-        // (`scripts/ab.sh 3`, two runs); AVX2 moved within the noise.
-        s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
-        let p = pivot[g];
-        let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
-        let sq = s.mul_add(d1, d1, s.mul(d0, d0));
-        let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
-        a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
-        b[g] = s.add(b[g], sq);
-    }
-    if full < groups {
-        // The quad's last line(s): the whole vectors' hints above cover
-        // `4·full·L` elements of the `4·C`, and a line left to a demand miss
-        // once a quad (C = 200 f16 with AVX-512: one of 25) made NHWC forward
-        // training of 64x56x56x200 1.55 of a copy against 1.40 with this hint
-        // (Zen 4, `scripts/ab.sh 9`).
-        s.prefetch_lines(pf.wrapping_add(4 * full * l), 4 * (c - full * l));
-        for k in 0..4 {
-            let d = s.sub(
-                s.load_partial(&q[k * c + full * l..][..c - full * l]),
-                pivot[full],
-            );
-            a[full] = s.add(a[full], d);
-            b[full] = s.mul_add(d, d, b[full]);
+    // With `quads`, four pixels at a time: one accumulator update (two loads, two
+    // stores) per four vectors of x, not per vector. For tensors in cache, where those
+    // stores were the bottleneck (Zen 4, f32 moments, interleaved medians): 16x7x7x2048
+    // 0.36 -> 0.27 ms with AVX-512, 0.37 -> 0.32 ms with AVX2; 16x14x14x1024 AVX-512
+    // 0.51 -> 0.39 ms; 16x14x14x256 AVX2 0.130 -> 0.091 ms. From DRAM the four interleaved pixel streams were
+    // slower than memory order (64x56x56x256 f32 AVX-512 8.4 -> 9.5 ms, 16x28x28x512
+    // f32 AVX2 0.85 -> 1.21 ms), so larger f32 tensors keep one pixel at a time
+    // (16-bit ones do not: see `channels_last`).
+    let mut blocks = tile.chunks_exact(4 * c);
+    if quads {
+        let (a, b) = (&mut v1[..groups], &mut v2[..groups]);
+        for q in &mut blocks {
+            let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
+            let pf = q.as_ptr().wrapping_add(ahead);
+            for g in 0..r.vectors().min(groups) {
+                let [x0, x1, x2, x3] = r.load(s, g);
+                // The four pixels are contiguous: the lines of the four vectors' worth
+                // of the quad at this step, in memory order. After the loads in the
+                // source, and so in the machine code: with the hints ahead of them
+                // (LLVM's choice from ed7a85c on, with no change here) NHWC forward
+                // training of 64x56x56x256 with AVX-512 took 1.28-1.30 of a copy
+                // instead of 1.20-1.24 in f16, 1.41-1.42 instead of 1.35 in bf16
+                // (`scripts/ab.sh 3`, two runs); AVX2 moved within the noise.
+                s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
+                let p = pivot[g];
+                let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
+                let sq = s.mul_add(d1, d1, s.mul(d0, d0));
+                let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
+                a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
+                b[g] = s.add(b[g], sq);
+            }
+            if full < groups {
+                // The quad's last line(s): the whole vectors' hints above cover
+                // `4·full·L` elements of the `4·C`, and a line left to a demand miss
+                // once a quad (C = 200 f16 with AVX-512: one of 25) made NHWC forward
+                // training of 64x56x56x200 1.55 of a copy against 1.40 with this hint
+                // (Zen 4, `scripts/ab.sh 9`).
+                s.prefetch_lines(pf.wrapping_add(4 * full * l), 4 * (c - full * l));
+                for k in 0..4 {
+                    let d = s.sub(
+                        s.load_partial(&q[k * c + full * l..][..c - full * l]),
+                        pivot[full],
+                    );
+                    a[full] = s.add(a[full], d);
+                    b[full] = s.mul_add(d, d, b[full]);
+                }
+            }
         }
     }
-}
-
-/// One pixel of `c` channels (over four vectors) into the accumulators `a` and `b`.
-#[inline(always)]
-fn wide_pixel<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    px: &[T],
-    c: usize,
-    pivot: &[S::V],
-    a: &mut [S::V],
-    b: &mut [S::V],
-) {
-    let (l, groups) = (S::LANES, pivot.len());
-    let full = c / l;
-    let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
-    let (a, b) = (&mut a[..groups], &mut b[..groups]);
-    let r = Reads::new(l, [px], c);
-    let pf = px.as_ptr().wrapping_add(ahead);
-    for g in 0..r.vectors().min(groups) {
-        s.prefetch_ptr(pf.wrapping_add(g * l));
-        let [v] = r.load(s, g);
-        let d = s.sub(v, pivot[g]);
-        a[g] = s.add(a[g], d);
-        b[g] = s.mul_add(d, d, b[g]);
-    }
-    if full < groups {
-        let d = s.sub(s.load_partial(&px[full * l..]), pivot[full]);
-        a[full] = s.add(a[full], d);
-        b[full] = s.mul_add(d, d, b[full]);
-    }
-}
-
-/// The pixels `rest` one at a time into the `sets` accumulator sets `(v1, v2)` (the
-/// set cycling from the first), then the sets added and stored to `sum1` and `sum2`.
-#[inline(always)]
-fn wide_finish<U: Real, S: Simd<U>, T: Element<Stat = U>>(
-    s: S,
-    rest: &[T],
-    c: usize,
-    sets: usize,
-    pivot: &[S::V],
-    (v1, v2): (&mut [S::V], &mut [S::V]),
-    (sum1, sum2): (&mut [U], &mut [U]),
-) {
-    let (l, groups) = (S::LANES, pivot.len());
+    let rest = if quads { blocks.remainder() } else { tile };
     let mut set = 0;
     for px in rest.chunks_exact(c) {
         let k = set * groups;
         set = next_cyclic(set, sets);
-        wide_pixel(s, px, c, pivot, &mut v1[k..][..groups], &mut v2[k..][..groups]);
+        let (a, b) = (&mut v1[k..][..groups], &mut v2[k..][..groups]);
+        let r = Reads::new(l, [px], c);
+        let pf = px.as_ptr().wrapping_add(ahead);
+        for g in 0..r.vectors().min(groups) {
+            s.prefetch_ptr(pf.wrapping_add(g * l));
+            let [v] = r.load(s, g);
+            let d = s.sub(v, pivot[g]);
+            a[g] = s.add(a[g], d);
+            b[g] = s.mul_add(d, d, b[g]);
+        }
+        if full < groups {
+            let d = s.sub(s.load_partial(&px[full * l..]), pivot[full]);
+            a[full] = s.add(a[full], d);
+            b[full] = s.mul_add(d, d, b[full]);
+        }
     }
     for g in 0..groups {
         let (mut a, mut b) = (v1[g], v2[g]);
@@ -994,9 +852,17 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     // 64x56x56x256 4.70 -> 4.48 ms, 64x112x112x64 3.99 -> 3.63 ms, 64x28x28x512 2.64 ->
     // 2.39 ms; bf16 AVX-512 64x56x56x256 4.69 -> 4.44 ms; f16 AVX2 4.84 -> 4.24 ms).
     let quads = std::mem::size_of_val(x) < STREAM_BYTES || std::mem::size_of::<T>() == 2;
-    // Two streams a thread where x comes from DRAM: where an output of its size would be
-    // streamed (the bits do not depend on it).
-    let two = g.stream(std::mem::size_of::<T>());
+    // Tried and not kept (2026-11-30, Intel Xeon model 207, 300 MiB L3): a task's tiles
+    // after the first walked as two halves in lockstep (two read streams a thread, each
+    // tile's sums kept and taken in tile order: the same bits, checked by a test across
+    // ISAs and dtypes). Timed alone, with the two builds' orders alternating over 16
+    // rounds, the moments of 64x56x56x256 bf16 with AVX2 went 0.51 -> 0.43 of a
+    // one-thread copy (64x112x112x64 0.34 -> 0.31; AVX-512 0.40 -> 0.39). Forward
+    // training did not follow: `scripts/ab.sh 8 "--shape 64,56,56,256 --format NHWC
+    // --op forward_training --dtype bf16,f16,f32 --isa avx2,avx512"` gave the 16-bit
+    // cells 0.01-0.05 of a copy higher and f32 0.02-0.05 lower, and at 192x56x56x256
+    // (x and y 616 MB in bf16, past the L3) the four 16-bit cells moved by -0.02 to
+    // +0.04. No gain in the op, 150 lines more: reverted.
     let task = |range: std::ops::Range<usize>| {
         let mut out = vec![Moments::EMPTY; c];
         let x = &x[range];
@@ -1007,7 +873,6 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
                 c,
                 out: &mut out,
                 quads,
-                two,
             },
         );
         out
@@ -1031,7 +896,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
 
 #[cfg(test)]
 mod tests {
-    use super::{channel_moments, channel_rows_in, Moments, PixelMoments};
+    use super::{channel_moments, channel_rows_in, Moments};
     use crate::element::Element;
     use crate::kernels::simd::{Dispatch, Isa, Kernel, Simd};
     use crate::kernels::{ChannelMajorSplit, Geometry};
@@ -1101,78 +966,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    /// A channels-last task's tiles after the first walked as two halves in lockstep
-    /// (`PixelMoments::two`, taken for tensors read from DRAM) must give the bits of
-    /// one tile at a time, on every ISA, in f32, bf16 and f16, with and without quads:
-    /// odd C (a partial last vector), a last tile whole or partial, an odd and an even
-    /// number of tiles, a quad remainder, far-from-zero data, a channel that drifts
-    /// (redone exactly) and NaN and Inf in one tile.
-    #[test]
-    fn channels_last_two_streams_give_one_streams_bits() {
-        fn check<T: Element<Stat = f32>>(isa: Isa) {
-            for c in [67usize, 200, 256] {
-                // f32 lanes: 8 on the portable kernels and AVX2, 16 on AVX-512.
-                let l = if isa == Isa::Avx512 { 16 } else { 8 };
-                if c.div_ceil(l) <= 4 {
-                    continue;
-                }
-                let ppt = super::pixels_per_tile(c);
-                for pixels in [3 * ppt, 4 * ppt + 3, 5 * ppt + 1, 6 * ppt - 2] {
-                    for case in 0..3 {
-                        let x: Vec<T> = (0..pixels * c)
-                            .map(|i| {
-                                let (px, ch) = (i / c, i % c);
-                                let v = (i * 7919 % 1013) as f32 / 1013.0 - 0.5;
-                                T::narrow(match (case, ch) {
-                                    (1, _) => 3.0e4 + v,
-                                    (2, 1) if px >= 2 * ppt => 1000.0 + v,
-                                    (2, 3) if px == 3 * ppt + 5 => f32::NAN,
-                                    (2, 4) if px == 2 * ppt + 1 => f32::INFINITY,
-                                    _ => v,
-                                })
-                            })
-                            .collect();
-                        for quads in [false, true] {
-                            let run = |two| {
-                                let mut out = vec![Moments::EMPTY; c];
-                                T::Stat::dispatch(
-                                    isa,
-                                    PixelMoments {
-                                        x: &x,
-                                        c,
-                                        out: &mut out,
-                                        quads,
-                                        two,
-                                    },
-                                );
-                                out
-                            };
-                            let (one, two) = (run(false), run(true));
-                            for (ch, (a, b)) in one.iter().zip(&two).enumerate() {
-                                let same = |p: f64, q: f64| {
-                                    p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())
-                                };
-                                assert!(
-                                    same(a.count, b.count)
-                                        && same(a.mean, b.mean)
-                                        && same(a.m2, b.m2),
-                                    "{isa:?} {:?} C {c} {pixels} pixels case {case} \
-                                     quads {quads} channel {ch}: {a:?} vs {b:?}",
-                                    T::DTYPE
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        for isa in Isa::supported() {
-            check::<f32>(isa);
-            check::<half::bf16>(isa);
-            check::<half::f16>(isa);
         }
     }
 
