@@ -488,7 +488,8 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
             let inv_n = 1.0 / n as f64;
             let (pivots, rest) = lanes.split_at_mut(groups * l);
             let (sum1, sum2) = rest.split_at_mut(groups * l);
-            if first {
+            // Whether every channel of the tile is well shifted: tested once a pass.
+            let all = if first {
                 // The task's pivots: the means of its first few pixels (an estimate of
                 // the tile's mean within a fraction of a std for any but drifting data),
                 // then the tile's sums around them. Should any channel of this first
@@ -500,20 +501,25 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
                 let head = PIVOT_PIXELS.min(n) * c;
                 tile_pivots(s, &tile[..head], c, sets, acc, pivot, pivots);
                 deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
-                if head < tile.len() && !all_well_shifted(inv_n, &sum1[..c], &sum2[..c]) {
+                let all = all_well_shifted(inv_n, &sum1[..c], &sum2[..c]);
+                if head < tile.len() && !all {
                     tile_pivots(s, tile, c, sets, acc, pivot, pivots);
                     deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
+                    all_well_shifted(inv_n, &sum1[..c], &sum2[..c])
+                } else {
+                    all
                 }
             } else {
                 // One pass around the pivots.
                 deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
-            }
+                all_well_shifted(inv_n, &sum1[..c], &sum2[..c])
+            };
             // A channel whose tile mean lies more than one std from its pivot (drift,
             // NaN, Inf) is redone exactly on its own, so no channel's data changes
             // another channel's result.
             let (sum1, sum2) = (&sum1[..c], &sum2[..c]);
             let nf = n as f64;
-            if all_well_shifted(inv_n, sum1, sum2) {
+            if all {
                 for ch in 0..c {
                     count[ch] += nf;
                     s1[ch] += sum1[ch].to_f64();
