@@ -381,11 +381,11 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
 /// one build with the second hint switched by an environment variable, NCHW
 /// 64x256x56x56 and 64x64x112x112, time ÷ copy, two runs (`scripts/ab.sh 5`, then
 /// `scripts/ab.sh 6` in the other order): f32 forward and backward training lower in
-/// 14 of 16 cells (forward training 64x64x112x112 1.070 -> 0.991 and 1.095 -> 1.052 with
+/// 15 of 16 cells (forward training 64x64x112x112 1.070 -> 0.991 and 1.095 -> 1.052 with
 /// AVX-512, 1.202 -> 1.107 and 1.147 -> 1.125 with AVX2; backward training
 /// 64x256x56x56 AVX-512 1.026 -> 1.005 and 1.030 -> 0.951), where the unchanged 16-bit
 /// AVX2 cells of the same runs moved by up to 0.18 either way. 16-bit data with
-/// AVX-512 (a pair a line, a second hint there too) was lower in 4 of 8 cells: not
+/// AVX-512 (a pair a line, a second hint there too) was lower in 3 of 8 cells: not
 /// taken. Hints are the other way for 16-bit AVX2: one a line there (every other
 /// pair) made all 16 of its NCHW and NHWC forward training and inference cells slower
 /// (`scripts/ab.sh 5`: NCHW forward training bf16 64x64x112x112 1.348 -> 1.524, NHWC
