@@ -374,10 +374,10 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
-/// Bytes between the hints of the next channel's data that a resident pass gives pair
-/// by pair ([`splat_body`] with `PF` > 0): 32 for 32-bit elements (twice a line, as a
-/// pair of 16-bit AVX2 vectors, half a line, hints it), a line for the others.
-/// Measured on the Intel Xeon (2 MiB L2 a core),
+/// Whether the next channel's data that a resident pass hints pair by pair
+/// ([`splat_body`] with `PF` > 0) is hinted twice a line where its elements are 32-bit
+/// (a hint at the start of each line and one 32 bytes into it), as a pair of 16-bit
+/// AVX2 vectors (half a line) hints it. Measured on the Intel Xeon (2 MiB L2 a core),
 /// one build with the second hint switched by an environment variable, NCHW
 /// 64x256x56x56 and 64x64x112x112, time ÷ copy, two runs (`scripts/ab.sh 5`, then
 /// `scripts/ab.sh 6` in the other order): f32 forward and backward training lower in
@@ -390,13 +390,7 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
 /// pair) made all 16 of its NCHW and NHWC forward training and inference cells slower
 /// (`scripts/ab.sh 5`: NCHW forward training bf16 64x64x112x112 1.348 -> 1.524, NHWC
 /// f16 forward inference 64x112x112x64 0.860 -> 0.942), so a pair keeps its hint.
-const fn next_channel_hint_bytes<T>() -> usize {
-    if size_of::<T>() == 4 {
-        32
-    } else {
-        64
-    }
-}
+const HALF_LINE_HINTS: bool = true;
 
 /// The whole vectors of a run; with `PF` > 0, also a prefetch of the same position of
 /// the first `PF` of `pf` (the next channel's data in a resident pass) per vector, so
@@ -467,14 +461,15 @@ fn splat_body<
             w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
         }
         for p in &pf[..PF] {
-            // Hints a fixed number of bytes apart, not per vector (see
-            // `next_channel_hint_bytes`; a pair of 16-bit AVX2 vectors is half a line:
-            // four hints a line with two prefetched inputs).
-            s.prefetch_every(
-                p.wrapping_add(j * S::LANES),
-                2 * S::LANES,
-                next_channel_hint_bytes::<T>(),
-            );
+            // One hint per line of the pair, not per vector (a pair of 16-bit AVX2
+            // vectors is half a line: four hints a line with two prefetched inputs).
+            s.prefetch_lines(p.wrapping_add(j * S::LANES), 2 * S::LANES);
+            if HALF_LINE_HINTS && size_of::<T>() == 4 {
+                // 32-bit data: a second hint 32 bytes into each line (see
+                // `HALF_LINE_HINTS`).
+                let half = 32 / size_of::<T>();
+                s.prefetch_lines(p.wrapping_add(j * S::LANES + half), 2 * S::LANES - half);
+            }
         }
         // SAFETY: `j + 1 < first + 2·((total − first) / 2) <= total`; lanes checked
         // above.

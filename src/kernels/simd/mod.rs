@@ -446,15 +446,9 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     /// bf16 from DRAM 1.4x slower on Zen 3; see `PREFETCH_BYTES`.)
     #[inline(always)]
     fn prefetch_lines<T>(self, p: *const T, n: usize) {
-        self.prefetch_every(p, n, 64);
-    }
-    /// [`Simd::prefetch_ptr`] every `step` bytes of the `n` elements from `p` (`step` a
-    /// multiple of the element size; 64: [`Simd::prefetch_lines`]).
-    #[inline(always)]
-    fn prefetch_every<T>(self, p: *const T, n: usize, step: usize) {
         let size = std::mem::size_of::<T>().max(1);
-        for j in 0..(n * size).div_ceil(step) {
-            self.prefetch_ptr(p.wrapping_add(j * step / size));
+        for j in 0..(n * size).div_ceil(64) {
+            self.prefetch_ptr(p.wrapping_add(j * 64 / size));
         }
     }
 }
