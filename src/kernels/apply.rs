@@ -374,8 +374,8 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
     }
 }
 
-/// Whether the next channel's data that a resident pass hints pair by pair
-/// ([`splat_body`] with `PF` > 0) is hinted twice a line where its elements are 32-bit
+/// Whether the next channel's data of element type `T` that a resident pass hints pair
+/// by pair ([`splat_body`] with `PF` > 0) is hinted twice a line: where it is 32-bit
 /// (a hint at the start of each line and one 32 bytes into it), as a pair of 16-bit
 /// AVX2 vectors (half a line) hints it. Measured on the Intel Xeon (2 MiB L2 a core),
 /// one build with the second hint switched by an environment variable, NCHW
@@ -390,7 +390,9 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
 /// pair) made all 16 of its NCHW and NHWC forward training and inference cells slower
 /// (`scripts/ab.sh 5`: NCHW forward training bf16 64x64x112x112 1.348 -> 1.524, NHWC
 /// f16 forward inference 64x112x112x64 0.860 -> 0.942), so a pair keeps its hint.
-const HALF_LINE_HINTS: bool = true;
+const fn half_line_hints<T>() -> bool {
+    size_of::<T>() == 4
+}
 
 /// The whole vectors of a run; with `PF` > 0, also a prefetch of the same position of
 /// the first `PF` of `pf` (the next channel's data in a resident pass) per vector, so
@@ -464,9 +466,9 @@ fn splat_body<
             // One hint per line of the pair, not per vector (a pair of 16-bit AVX2
             // vectors is half a line: four hints a line with two prefetched inputs).
             s.prefetch_lines(p.wrapping_add(j * S::LANES), 2 * S::LANES);
-            if HALF_LINE_HINTS && size_of::<T>() == 4 {
+            if half_line_hints::<T>() {
                 // 32-bit data: a second hint 32 bytes into each line (see
-                // `HALF_LINE_HINTS`).
+                // `half_line_hints`).
                 let half = 32 / size_of::<T>();
                 s.prefetch_lines(p.wrapping_add(j * S::LANES + half), 2 * S::LANES - half);
             }
