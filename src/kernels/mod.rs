@@ -52,8 +52,15 @@ pub const CL_TILE: usize = 32768;
 /// Elements per parallel task (each task is one rayon job).
 pub const TASK: usize = 1 << 18;
 /// Below this many elements every pass runs on the calling thread: a rayon hand-off
-/// costs more than the work.
-pub const PARALLEL_MIN: usize = 1 << 15;
+/// and the other core's cold caches cost more than the work. Raised from 2^15: on the
+/// 2-core Intel Xeon (`scripts/ab.sh 5 "--shape 2,16,16,64 --shape 2,16,16,128 --shape
+/// 3,16,16,128 --shape 4,16,16,128 --op all --dtype f32,bf16 --isa avx2,avx512 --runs
+/// 200 --min-time 0.05"`, medians of the ms, one thread ÷ two) every op of 32,768 and
+/// 65,536 elements took 0.62–0.92 of its time in the median of each shape and dtype
+/// (faster in 121 of 128 cells); at 98,304 f32 took 0.81–0.85 and bf16 0.97–1.14;
+/// 131,072 (still parallel, the control) moved 0.98–1.02. The splits that decide the
+/// bits do not depend on it (`scripts/same_bits.py`: 0 of 15,360 files differ).
+pub const PARALLEL_MIN: usize = 1 << 17;
 /// A channel's data (x, or dy and x) up to this many bytes is processed while it is
 /// resident in the core's caches (L2 and its share of L3; measured: a 802 KB channel
 /// went from 1.7× to 1.1× copy time when it was allowed to stay resident). Raised from
