@@ -55,12 +55,14 @@ pub const TASK: usize = 1 << 18;
 /// and the other core's cold caches cost more than the work. Raised from 2^15: on the
 /// 2-core Intel Xeon (`scripts/ab.sh 5 "--shape 2,16,16,64 --shape 2,16,16,128 --shape
 /// 3,16,16,128 --shape 4,16,16,128 --op all --dtype f32,bf16 --isa avx2,avx512 --runs
-/// 200 --min-time 0.05"`, medians of the ms, one thread ÷ two) the ops of 32,768 and
-/// 65,536 elements took 0.62–0.99 of their time in the median of each shape and dtype
-/// (f32 0.62–0.76, bf16 0.82–0.99), faster in 116 of 128 cells; of the 12 slower, 7
+/// 200 --min-time 0.05"`, medians of the ms, this threshold's build ÷ the old one's;
+/// below it, one thread against two) the ops of 32,768 and 65,536 elements took
+/// 0.62–0.99 of their time in the median of each shape and dtype (f32 0.62–0.76, bf16
+/// 0.82–0.99), faster in 116 of 128 cells; of the 12 slower, 7
 /// are bf16 second-order ops (up to 1.38 at NCHW 2x128x16x16 with AVX2), whose work
 /// per element would pay for the second thread sooner. At 98,304 f32 took 0.81–0.85
-/// and bf16 0.97–1.14; 131,072 (still parallel, the control) moved 0.98–1.02. The
+/// and bf16 0.97–1.14; 131,072 (still parallel, the control) moved 0.98–1.02. f16
+/// (`--dtype f16`): 0.75–0.88 at 32,768 and 65,536, 58 of 64 cells faster. The
 /// splits that decide the bits do not depend on it (`scripts/same_bits.py`: 0 of
 /// 15,360 files differ).
 pub const PARALLEL_MIN: usize = 1 << 17;
