@@ -85,6 +85,23 @@ pub mod tuning {
     pub const TASK: usize = crate::kernels::TASK;
     /// Below this many elements every pass runs on the calling thread.
     pub const PARALLEL_MIN: usize = crate::kernels::PARALLEL_MIN;
+
+    /// Whether the passes over a tensor of `elements` elements use rayon's pool (the
+    /// one the call runs in): at least [`PARALLEL_MIN`] elements and more than one
+    /// thread. The kernels decide by this function, so a baseline that asks it splits
+    /// the same way.
+    ///
+    /// ```
+    /// use fusedbn::tuning::{parallel, PARALLEL_MIN};
+    /// let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    /// assert!(!one.install(|| parallel(PARALLEL_MIN)));
+    /// let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    /// assert!(two.install(|| parallel(PARALLEL_MIN)));
+    /// assert!(!two.install(|| parallel(PARALLEL_MIN - 1)));
+    /// ```
+    pub fn parallel(elements: usize) -> bool {
+        crate::kernels::uses_pool(elements)
+    }
 }
 pub use tensor::{DType, Tensor, TensorData};
 

@@ -41,7 +41,7 @@ use fusedbn::batch_norm::{
 };
 use fusedbn::driver::{self, Placement};
 use fusedbn::ops::{Op, Outputs};
-use fusedbn::tuning::{PARALLEL_MIN, TASK};
+use fusedbn::tuning::{parallel as uses_pool, TASK};
 use fusedbn::Isa;
 use fusedbn::{DType, DataFormat, Element, Problem, Real, Tensor, TensorData};
 use rayon::prelude::*;
@@ -1149,7 +1149,8 @@ impl<T: Element> Workload<T> {
     /// `grad_y_backprop ← y_backprop`, `grad_x ← x` + read grad_x_backprop. Returns the
     /// checksum (0 when nothing is only read), for `black_box`.
     fn run_copy(&mut self) -> u64 {
-        let parallel = self.x.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1;
+        // The kernels' own test, so the copy splits as the op does.
+        let parallel = uses_pool(self.x.len());
         let inputs: Vec<&[T]> = match self.op.inputs() {
             1 => vec![&self.x],
             2 if self.op.reads_dy() => vec![&self.dy, &self.x],
@@ -1451,6 +1452,7 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fusedbn::tuning::PARALLEL_MIN;
 
     /// A case on x of logical shape `[N, spatial…, C]`.
     fn case(op: BenchOp, format: DataFormat, logical: Vec<usize>, dtype: DType) -> Case {
