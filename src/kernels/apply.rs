@@ -833,6 +833,16 @@ fn periodic_body<
 /// 1.16 of a `memcpy` with one stream and 1.05 with two, and a plain read of the same
 /// bytes 0.65 and 0.50 (`scripts/models/read_streams.c`). Elementwise, so the bits are
 /// those of any other order.
+///
+/// Each step loads the pair of both walks before it stores either. The two walks are
+/// half a run apart, and x and y start at the same offset in their pages (both from
+/// `mmap`), so with load A, store A, load B the load of B matched the store just made
+/// to A in its low 12 address bits: a 4K alias, which the load waits on. On an AMD EPYC
+/// (Zen 1, AVX2, 2026-11-30) `perf` put a third of the loop's samples on the
+/// instruction after B's load, and the order here took NHWC forward inference
+/// (`scripts/ab.sh 3`, time ÷ copy, 64x112x112x64 / 64x56x56x256) bf16 from 1.75 / 1.78
+/// to 1.02 / 1.05, f16 1.87 / 1.92 -> 1.12 / 1.14, f32 0.78 / 0.73 -> 0.65 / 0.65; a
+/// single walk gave bf16 1.10 / 1.12.
 #[inline(always)]
 fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     s: S,
@@ -863,12 +873,16 @@ fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
             // j0 + per <= total`; lanes and alignment checked above.
             let (k0, k1) =
                 unsafe { (consts.load_unchecked(s, q), consts.load_unchecked(s, q + 1)) };
-            for w in [&mut *wa, &mut *wb] {
-                w.reads.prefetch_ahead(s, j0 + q, ahead, 2 * S::LANES);
-                let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j0 + q) };
-                let (a, b) = (f.eval(s, x, k0), f.eval(s, y, k1));
-                unsafe { w.stream_pair_cl_unchecked::<S, true>(s, j0 + q, a, b) };
-            }
+            // Both walks' loads before either walk's stores (see above: the second
+            // walk's load after the first walk's store waited on it).
+            wa.reads.prefetch_ahead(s, j0 + q, ahead, 2 * S::LANES);
+            wb.reads.prefetch_ahead(s, j0 + q, ahead, 2 * S::LANES);
+            let (xa, ya) = unsafe { wa.reads.load_pair_unchecked(s, j0 + q) };
+            let (xb, yb) = unsafe { wb.reads.load_pair_unchecked(s, j0 + q) };
+            let (a, b) = (f.eval(s, xa, k0), f.eval(s, ya, k1));
+            unsafe { wa.stream_pair_cl_unchecked::<S, true>(s, j0 + q, a, b) };
+            let (a, b) = (f.eval(s, xb, k0), f.eval(s, yb, k1));
+            unsafe { wb.stream_pair_cl_unchecked::<S, true>(s, j0 + q, a, b) };
         }
     }
 }
