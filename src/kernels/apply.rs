@@ -839,15 +839,15 @@ fn periodic_body<
 /// buffers come from `mmap`), and for the ResNet-50 shapes half a task is a whole
 /// number of pages; so with load A, store A, load B the load of B matched the store
 /// just made to A in its low 12 address bits: a 4K alias, which the load waits on. With
-/// the loads first no load follows a store of the same step, whatever the offsets.
-/// On an AMD EPYC
-/// (Zen 1, AVX2, 2026-11-30) `perf` put a third of the loop's samples on the
-/// instruction after B's load, and the order here took NHWC forward inference
+/// the loads first no load follows a store of the same step, whatever the offsets. On
+/// an AMD EPYC (Zen 1, AVX2, 2026-11-30) `perf` put a third of the loop's samples on
+/// the instruction after B's load, and the order here took NHWC forward inference
 /// (`scripts/ab.sh 3`, time ÷ copy, 64x112x112x64 / 64x56x56x256) bf16 from 1.75 / 1.78
 /// to 1.02 / 1.05, f16 1.87 / 1.92 -> 1.12 / 1.14, f32 0.78 / 0.73 -> 0.65 / 0.65; a
 /// single walk gave bf16 1.10 / 1.12. (Both builds of that run carried environment
 /// switches for the trial; the committed build against the one before it: NHWC forward
 /// training 16-bit 2.25-2.31 -> 1.54-1.60, backward training 1.86-2.13 -> 1.44-1.63.)
+/// Not measured with AVX-512, whose 16-bit passes take this loop too.
 #[inline(always)]
 fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     s: S,

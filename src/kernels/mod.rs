@@ -60,11 +60,10 @@ pub const TASK: usize = 1 << 18;
 /// 0.62–0.99 of their time in the median of each shape and dtype (f32 0.62–0.76, bf16
 /// 0.82–0.99), faster in 116 of 128 cells; of the 12 slower, 7 are bf16 second-order
 /// ops (up to 1.38 at NCHW 2x128x16x16 with AVX2), whose work per element would pay for
-/// the second thread sooner. At 98,304 f32 took 0.81–0.85
-/// and bf16 0.97–1.14; 131,072 (still parallel, the control) moved 0.98–1.02. f16
-/// (`--dtype f16`): 0.75–0.88 at 32,768 and 65,536, 58 of 64 cells faster. The
-/// splits that decide the bits do not depend on it (`scripts/same_bits.py`: 0 of
-/// 15,360 files differ).
+/// the second thread sooner. At 98,304 f32 took 0.81–0.85 and bf16 0.97–1.14; 131,072
+/// (still parallel, the control) moved 0.98–1.02. f16 (`--dtype f16`): 0.75–0.88 at
+/// 32,768 and 65,536, 58 of 64 cells faster. The splits that decide the bits do not
+/// depend on it (`scripts/same_bits.py`: 0 of 15,360 files differ).
 pub const PARALLEL_MIN: usize = 1 << 17;
 
 /// Whether a pass over `elements` elements uses the thread pool: at least
@@ -72,6 +71,7 @@ pub const PARALLEL_MIN: usize = 1 << 17;
 pub(crate) fn uses_pool(elements: usize) -> bool {
     elements >= PARALLEL_MIN && rayon::current_num_threads() > 1
 }
+
 /// A channel's data (x, or dy and x) up to this many bytes is processed while it is
 /// resident in the core's caches (L2 and its share of L3; measured: a 802 KB channel
 /// went from 1.7× to 1.1× copy time when it was allowed to stay resident). Raised from
