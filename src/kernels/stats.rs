@@ -688,41 +688,53 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let mut blocks = tile.chunks_exact(4 * c);
     if quads {
         let (a, b) = (&mut v1[..groups], &mut v2[..groups]);
-        for q in &mut blocks {
-            let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
-            let pf = q.as_ptr().wrapping_add(ahead);
-            for g in 0..r.vectors().min(groups) {
-                let [x0, x1, x2, x3] = r.load(s, g);
-                // The four pixels are contiguous: the lines of the four vectors' worth
-                // of the quad at this step, in memory order. After the loads in the
-                // source, and so in the machine code: with the hints ahead of them
-                // (LLVM's choice from ed7a85c on, with no change here) NHWC forward
-                // training of 64x56x56x256 with AVX-512 took 1.28-1.30 of a copy
-                // instead of 1.20-1.24 in f16, 1.41-1.42 instead of 1.35 in bf16
-                // (`scripts/ab.sh 3`, two runs); AVX2 moved within the noise.
-                s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
-                let p = pivot[g];
-                let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
-                let sq = s.mul_add(d1, d1, s.mul(d0, d0));
-                let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
-                a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
-                b[g] = s.add(b[g], sq);
-            }
-            if full < groups {
-                // The quad's last line(s): the whole vectors' hints above cover
-                // `4·full·L` elements of the `4·C`, and a line left to a demand miss
-                // once a quad (C = 200 f16 with AVX-512: one of 25) made NHWC forward
-                // training of 64x56x56x200 1.55 of a copy against 1.40 with this hint
-                // (Zen 4, `scripts/ab.sh 9`).
-                s.prefetch_lines(pf.wrapping_add(4 * full * l), 4 * (c - full * l));
-                for k in 0..4 {
-                    let d = s.sub(
-                        s.load_partial(&q[k * c + full * l..][..c - full * l]),
-                        pivot[full],
-                    );
-                    a[full] = s.add(a[full], d);
-                    b[full] = s.mul_add(d, d, b[full]);
+        // Whole vectors taken two at a time in the order of `Simd::load_pair_ptr` where
+        // the ISA has a cheaper one (AVX2 bf16: even and odd channels, one shift and
+        // one mask per 16 elements instead of two widenings), with their pivots and
+        // sums in that order for the tile (the sums put back before the pixels left
+        // over). Each channel adds the same values in the same order: the same bits.
+        // Zen 1 (AVX2 only), `scripts/ab.sh 3`, NHWC forward training bf16, time ÷ copy,
+        // 64x112x112x64 / 64x56x56x256: see CHANGELOG.
+        let paired = if s.pair_even_odd::<T>() {
+            full / 2 * 2
+        } else {
+            0
+        };
+        let mut eo: Scratch<S::V, 32> = scratch(zero, paired);
+        for g in (0..paired).step_by(2) {
+            (eo[g], eo[g + 1]) = s.to_pair_order::<T>(pivot[g], pivot[g + 1]);
+        }
+        let eo = &eo[..];
+        if paired > 0 {
+            for q in &mut blocks {
+                let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
+                let pf = q.as_ptr().wrapping_add(ahead);
+                assert!(paired <= r.vectors() && r.lanes_of(s));
+                for g in (0..paired).step_by(2) {
+                    // SAFETY: `g + 1 < paired <= r.vectors()`, lanes checked above.
+                    let (e, o) = unsafe { r.load_pair_unchecked(s, g) };
+                    s.prefetch_lines(pf.wrapping_add(4 * g * l), 8 * l);
+                    for (k, x) in [e, o].into_iter().enumerate() {
+                        let p = eo[g + k];
+                        let [x0, x1, x2, x3] = x;
+                        let (d0, d1, d2, d3) =
+                            (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
+                        let sq = s.mul_add(d1, d1, s.mul(d0, d0));
+                        let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
+                        a[g + k] = s.add(a[g + k], s.add(s.add(d0, d1), s.add(d2, d3)));
+                        b[g + k] = s.add(b[g + k], sq);
+                    }
                 }
+                quad_rest(s, q, c, paired, pivot, pf, a, b);
+            }
+            for g in (0..paired).step_by(2) {
+                (a[g], a[g + 1]) = s.from_pair_order::<T>(a[g], a[g + 1]);
+                (b[g], b[g + 1]) = s.from_pair_order::<T>(b[g], b[g + 1]);
+            }
+        } else {
+            for q in &mut blocks {
+                let pf = q.as_ptr().wrapping_add(ahead);
+                quad_rest(s, q, c, 0, pivot, pf, a, b);
             }
         }
     }
@@ -755,6 +767,57 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
         s.store(&mut sum1[g * l..], a);
         s.store(&mut sum2[g * l..], b);
+    }
+}
+
+/// One quad of [`deviation_sums_px`]'s four-pixel loop (`q`: four pixels of `c`
+/// channels), vectors `from..` of each pixel, in the order of the lanes; `pf`: the
+/// quad's address plus the prefetch distance.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn quad_rest<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    q: &[T],
+    c: usize,
+    from: usize,
+    pivot: &[S::V],
+    pf: *const T,
+    a: &mut [S::V],
+    b: &mut [S::V],
+) {
+    let (l, groups) = (S::LANES, pivot.len());
+    let full = c / l;
+    let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
+    for g in from..r.vectors().min(groups) {
+        let [x0, x1, x2, x3] = r.load(s, g);
+        // The four pixels are contiguous: the lines of the four vectors' worth of the
+        // quad at this step, in memory order. After the loads in the source, and so in
+        // the machine code: with the hints ahead of them (LLVM's choice from ed7a85c on,
+        // with no change here) NHWC forward training of 64x56x56x256 with AVX-512 took
+        // 1.28-1.30 of a copy instead of 1.20-1.24 in f16, 1.41-1.42 instead of 1.35 in
+        // bf16 (`scripts/ab.sh 3`, two runs); AVX2 moved within the noise.
+        s.prefetch_lines(pf.wrapping_add(4 * g * l), 4 * l);
+        let p = pivot[g];
+        let (d0, d1, d2, d3) = (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
+        let sq = s.mul_add(d1, d1, s.mul(d0, d0));
+        let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
+        a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
+        b[g] = s.add(b[g], sq);
+    }
+    if full < groups {
+        // The quad's last line(s): the whole vectors' hints above cover `4·full·L`
+        // elements of the `4·C`, and a line left to a demand miss once a quad (C = 200
+        // f16 with AVX-512: one of 25) made NHWC forward training of 64x56x56x200 1.55
+        // of a copy against 1.40 with this hint (Zen 4, `scripts/ab.sh 9`).
+        s.prefetch_lines(pf.wrapping_add(4 * full * l), 4 * (c - full * l));
+        for k in 0..4 {
+            let d = s.sub(
+                s.load_partial(&q[k * c + full * l..][..c - full * l]),
+                pivot[full],
+            );
+            a[full] = s.add(a[full], d);
+            b[full] = s.mul_add(d, d, b[full]);
+        }
     }
 }
 
@@ -999,6 +1062,58 @@ mod tests {
                         assert!(
                             same(a.count, b.count) && same(a.mean, b.mean) && same(a.m2, b.m2),
                             "{isa:?} {outer}x{c}x{inner} case {case} channel {ch}: {a:?} vs {b:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Channels-last moments of bf16 `x` must be those of the same values as f32, bit
+    /// for bit, on every ISA: the lanes meet the same pivots in the same order, whatever
+    /// order the 16-bit loads come in (AVX2 loads bf16 pairs as even and odd channels in
+    /// `deviation_sums_px`'s four-pixel loop). C of whole pairs of vectors, with one
+    /// vector left over, with a partial vector; tiles of a whole number of quads and
+    /// not, several tiles; near-zero, far-from-zero and NaN channels.
+    #[test]
+    fn channels_last_bf16_moments_are_its_f32_moments_bit_for_bit() {
+        use half::bf16;
+        for isa in Isa::supported() {
+            for (pixels, c) in [
+                (300, 40),
+                (2000, 48),
+                (517, 56),
+                (64, 64),
+                (301, 75),
+                (1100, 130),
+                (259, 256),
+            ] {
+                let g = Geometry::new(pixels, c, 1);
+                for case in 0..3 {
+                    let x: Vec<bf16> = (0..g.len())
+                        .map(|i| {
+                            let v = (i * 7919 % 1013) as f32 / 1013.0 - 0.5 + (i % c) as f32;
+                            match (case, i % c) {
+                                (1, _) => bf16::from_f32(3.0e4 + 64.0 * v),
+                                (2, 3) if i % 11 == 0 => bf16::NAN,
+                                _ => bf16::from_f32(v),
+                            }
+                        })
+                        .collect();
+                    let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    // Small enough that f32 takes the four-pixel loop too.
+                    assert!(std::mem::size_of_val(&wide[..]) < super::STREAM_BYTES);
+                    let (got, want) = (
+                        channel_moments(&g, isa, &x),
+                        channel_moments(&g, isa, &wide),
+                    );
+                    for (ch, (a, b)) in got.iter().zip(&want).enumerate() {
+                        let same = |p: f64, q: f64| {
+                            p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())
+                        };
+                        assert!(
+                            same(a.count, b.count) && same(a.mean, b.mean) && same(a.m2, b.m2),
+                            "{isa:?} {pixels}x{c} case {case} channel {ch}: {a:?} vs {b:?}"
                         );
                     }
                 }

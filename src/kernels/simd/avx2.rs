@@ -333,6 +333,35 @@ impl Simd<f32> for Avx2 {
         T::DTYPE == DType::BF16
     }
     #[inline(always)]
+    fn to_pair_order<T: Element<Stat = f32>>(self, a: __m256, b: __m256) -> (__m256, __m256) {
+        if !self.pair_even_odd::<T>() {
+            return (a, b);
+        }
+        unsafe {
+            // Per 128-bit half: a0 a2 b0 b2 | a4 a6 b4 b6, then 64-bit pieces 0 2 1 3.
+            let even = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
+            let odd = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
+            let even = _mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even));
+            let odd = _mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd));
+            (_mm256_castpd_ps(even), _mm256_castpd_ps(odd))
+        }
+    }
+    #[inline(always)]
+    fn from_pair_order<T: Element<Stat = f32>>(self, a: __m256, b: __m256) -> (__m256, __m256) {
+        if !self.pair_even_odd::<T>() {
+            return (a, b);
+        }
+        unsafe {
+            // Per 128-bit half: e0 o0 e1 o1 | e4 o4 e5 o5 and e2 o2 e3 o3 | e6 o6 e7 o7.
+            let lo = _mm256_unpacklo_ps(a, b);
+            let hi = _mm256_unpackhi_ps(a, b);
+            (
+                _mm256_permute2f128_ps::<0x20>(lo, hi),
+                _mm256_permute2f128_ps::<0x31>(lo, hi),
+            )
+        }
+    }
+    #[inline(always)]
     unsafe fn load_pair_ptr<T: Element<Stat = f32>>(self, p: *const T) -> (__m256, __m256) {
         // SAFETY: the caller guarantees 16 readable elements at `p`.
         unsafe {

@@ -331,6 +331,20 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     fn pair_even_odd<T: Element<Stat = U>>(self) -> bool {
         false
     }
+    /// Two vectors of consecutive lanes (`a` first) rearranged into the order in which
+    /// [`Simd::load_pair_ptr`] returns a pair of `T`: even and odd lanes where
+    /// [`Simd::pair_even_odd`], unchanged otherwise. For per-lane constants and sums
+    /// that meet such pairs.
+    #[inline(always)]
+    fn to_pair_order<T: Element<Stat = U>>(self, a: Self::V, b: Self::V) -> (Self::V, Self::V) {
+        (a, b)
+    }
+    /// The inverse of [`Simd::to_pair_order`]: a pair in the order of
+    /// [`Simd::load_pair_ptr`] back into two vectors of consecutive lanes.
+    #[inline(always)]
+    fn from_pair_order<T: Element<Stat = U>>(self, a: Self::V, b: Self::V) -> (Self::V, Self::V) {
+        (a, b)
+    }
     /// Loads `2·LANES` elements from `p` as two vectors, in the order of
     /// [`Simd::pair_even_odd`].
     ///
