@@ -693,8 +693,8 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         // one mask per 16 elements instead of two widenings), with their pivots and
         // sums in that order for the tile (the sums put back before the pixels left
         // over). Each channel adds the same values in the same order: the same bits.
-        // Zen 1 (AVX2 only), `scripts/ab.sh 3`, NHWC forward training bf16, time ÷ copy,
-        // 64x112x112x64 / 64x56x56x256: see CHANGELOG.
+        // Zen 1 (AVX2 only), `scripts/ab.sh 5`, NHWC forward training bf16, time ÷ copy:
+        // 64x112x112x64 1.558 -> 1.484, 64x56x56x256 1.642 -> 1.589 (CHANGELOG).
         let paired = if s.pair_even_odd::<T>() {
             full / 2 * 2
         } else {
@@ -728,8 +728,8 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
                 quad_rest(s, q, c, paired, pivot, pf, a, b);
             }
             for g in (0..paired).step_by(2) {
-                (a[g], a[g + 1]) = s.from_pair_order::<T>(a[g], a[g + 1]);
-                (b[g], b[g + 1]) = s.from_pair_order::<T>(b[g], b[g + 1]);
+                (a[g], a[g + 1]) = s.to_lane_order::<T>(a[g], a[g + 1]);
+                (b[g], b[g + 1]) = s.to_lane_order::<T>(b[g], b[g + 1]);
             }
         } else {
             for q in &mut blocks {

@@ -347,7 +347,7 @@ impl Simd<f32> for Avx2 {
         }
     }
     #[inline(always)]
-    fn from_pair_order<T: Element<Stat = f32>>(self, a: __m256, b: __m256) -> (__m256, __m256) {
+    fn to_lane_order<T: Element<Stat = f32>>(self, a: __m256, b: __m256) -> (__m256, __m256) {
         if !self.pair_even_odd::<T>() {
             return (a, b);
         }

@@ -342,7 +342,7 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     /// The inverse of [`Simd::to_pair_order`]: a pair in the order of
     /// [`Simd::load_pair_ptr`] back into two vectors of consecutive lanes.
     #[inline(always)]
-    fn from_pair_order<T: Element<Stat = U>>(self, a: Self::V, b: Self::V) -> (Self::V, Self::V) {
+    fn to_lane_order<T: Element<Stat = U>>(self, a: Self::V, b: Self::V) -> (Self::V, Self::V) {
         (a, b)
     }
     /// Loads `2·LANES` elements from `p` as two vectors, in the order of
