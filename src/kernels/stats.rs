@@ -771,7 +771,8 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 }
 
 /// One quad of [`deviation_sums_px`]'s four-pixel loop (`q`: four pixels of `c`
-/// channels), vectors `from..` of each pixel, in the order of the lanes; `pf`: the
+/// channels), vectors `from..` of each pixel and the partial one, in the order of the
+/// lanes; `pf`: the
 /// quad's address plus the prefetch distance.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -1074,7 +1075,9 @@ mod tests {
     /// order the 16-bit loads come in (AVX2 loads bf16 pairs as even and odd channels in
     /// `deviation_sums_px`'s four-pixel loop). C of whole pairs of vectors, with one
     /// vector left over, with a partial vector; tiles of a whole number of quads and
-    /// not, several tiles; near-zero, far-from-zero and NaN channels.
+    /// not, several tiles; near-zero, far-from-zero and NaN channels. Only an ISA with
+    /// such a pair order (AVX2) exercises the paired loop; elsewhere this checks the
+    /// widening alone.
     #[test]
     fn channels_last_bf16_moments_are_its_f32_moments_bit_for_bit() {
         use half::bf16;
