@@ -772,8 +772,7 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 
 /// One quad of [`deviation_sums_px`]'s four-pixel loop (`q`: four pixels of `c`
 /// channels), vectors `from..` of each pixel and the partial one, in the order of the
-/// lanes; `pf`: the
-/// quad's address plus the prefetch distance.
+/// lanes; `pf`: the quad's address plus the prefetch distance.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn quad_rest<U: Real, S: Simd<U>, T: Element<Stat = U>>(
