@@ -1001,6 +1001,19 @@ mod tests {
     use crate::kernels::simd::{Dispatch, Isa, Kernel, Simd};
     use crate::kernels::{ChannelMajorSplit, Geometry};
 
+    /// Asserts `got` and `want` the same bits channel by channel (any NaN equals any
+    /// NaN); `what` names the case.
+    fn assert_same_moments(got: &[Moments], want: &[Moments], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: channel counts");
+        let same = |p: f64, q: f64| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan());
+        for (ch, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                same(a.count, b.count) && same(a.mean, b.mean) && same(a.m2, b.m2),
+                "{what} channel {ch}: {a:?} vs {b:?}"
+            );
+        }
+    }
+
     /// Every channel's moments by `channel_rows_in` alone, one channel at a time over
     /// rows `[o0, o1)`: what the resident passes compute.
     struct ByChannel<'a, T> {
@@ -1055,15 +1068,8 @@ mod tests {
                             rows: (0, outer),
                         },
                     );
-                    for (ch, (a, b)) in got.iter().zip(&want).enumerate() {
-                        let same = |p: f64, q: f64| {
-                            p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())
-                        };
-                        assert!(
-                            same(a.count, b.count) && same(a.mean, b.mean) && same(a.m2, b.m2),
-                            "{isa:?} {outer}x{c}x{inner} case {case} channel {ch}: {a:?} vs {b:?}"
-                        );
-                    }
+                    let what = format!("{isa:?} {outer}x{c}x{inner} case {case}");
+                    assert_same_moments(&got, &want, &what);
                 }
             }
         }
@@ -1109,15 +1115,8 @@ mod tests {
                         channel_moments(&g, isa, &x),
                         channel_moments(&g, isa, &wide),
                     );
-                    for (ch, (a, b)) in got.iter().zip(&want).enumerate() {
-                        let same = |p: f64, q: f64| {
-                            p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())
-                        };
-                        assert!(
-                            same(a.count, b.count) && same(a.mean, b.mean) && same(a.m2, b.m2),
-                            "{isa:?} {pixels}x{c} case {case} channel {ch}: {a:?} vs {b:?}"
-                        );
-                    }
+                    let what = format!("{isa:?} {pixels}x{c} case {case}");
+                    assert_same_moments(&got, &want, &what);
                 }
             }
         }
