@@ -352,6 +352,9 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     k1: S::V,
     mut acc: (S::V, S::V),
 ) -> (S::V, S::V) {
+    if s.pair_even_odd::<T>() && out.len() >= PAIR_RUN_MIN {
+        return sums_out_run_pairs(s, ins, m, out, stream, k1, acc);
+    }
     let l = S::LANES;
     let head = head_len(out, l, stream);
     if head > 0 {
@@ -397,6 +400,243 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         fold_where(s, &zeros, m, lanes_on(s, last, l), &mut a, &mut b);
     }
     (a, b)
+}
+
+/// The fewest elements of a run that [`sums_out_run`] walks in pairs
+/// ([`sums_out_run_pairs`]): a run's pair sums go back to lane order once at its end
+/// (and a streamed head rotates them twice), a fixed cost that a short run would not
+/// earn back. The length alone decides, so where `dx` sits never changes the sums.
+const PAIR_RUN_MIN: usize = 128;
+
+/// The sums of one run in the ISA's pair order: `a[0]`, `b[0]` hold the even elements
+/// of each pair of vectors, `a[1]`, `b[1]` the odd ones ([`Simd::pair_even_odd`]).
+/// Together, lane `k mod 2·LANES` of a run (in memory order) is one sum.
+#[derive(Clone, Copy)]
+struct PairSums<V> {
+    a: [V; 2],
+    b: [V; 2],
+}
+
+/// Elements `[at, at + n)` (`0 < n ≤ 2·LANES`) of each input as one pair in pair order,
+/// zeros past `n`.
+#[inline(always)]
+fn pair_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: &[&[T]; N],
+    at: usize,
+    n: usize,
+) -> ([S::V; N], [S::V; N]) {
+    let l = S::LANES;
+    let mut even = load_partial_n(s, ins, at, n.min(l));
+    let mut odd = if n > l {
+        load_partial_n(s, ins, at + l, n - l)
+    } else {
+        [s.splat(U::ZERO); N]
+    };
+    for i in 0..N {
+        (even[i], odd[i]) = s.to_pair_order::<T>(even[i], odd[i]);
+    }
+    (even, odd)
+}
+
+/// The lanes `[from, to)` (`from ≤ to ≤ 2·LANES`, memory order) of a pair on: the
+/// `[on, off]` of [`fold_where`] for its even and its odd vector.
+#[inline(always)]
+fn pair_lanes_on<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    from: usize,
+    to: usize,
+) -> [[S::V; 2]; 2] {
+    let l = S::LANES;
+    let lo = s.lanes_between(from.min(l), to.min(l));
+    let hi = s.lanes_between(from.max(l) - l, to.max(l) - l);
+    let (even, odd) = s.to_pair_order::<T>(lo, hi);
+    let one = s.splat(U::from_f64(1.0));
+    [[even, s.sub(one, even)], [odd, s.sub(one, odd)]]
+}
+
+/// [`fold_where`] of one pair into `sums`, the lanes of `on` only (all of them where
+/// `on` is `None`); returns the pair's (masked) dy.
+#[inline(always)]
+fn fold_pair<U: Real, S: Simd<U>, const N: usize>(
+    s: S,
+    (even, odd): &([S::V; N], [S::V; N]),
+    m: S::V,
+    on: Option<[[S::V; 2]; 2]>,
+    sums: &mut PairSums<S::V>,
+) -> (S::V, S::V) {
+    let PairSums {
+        a: [a0, a1],
+        b: [b0, b1],
+    } = sums;
+    match on {
+        None => (fold(s, even, m, a0, b0), fold(s, odd, m, a1, b1)),
+        Some([e, o]) => (
+            fold_where(s, even, m, e, a0, b0),
+            fold_where(s, odd, m, o, a1, b1),
+        ),
+    }
+}
+
+/// Writes `d·k1` of a pair in pair order to `out` (at most `2·LANES` elements).
+#[inline(always)]
+fn store_pair_partial<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    out: &mut [T],
+    (de, dd): (S::V, S::V),
+    k1: S::V,
+) {
+    let l = S::LANES;
+    let (lo, hi) = s.to_lane_order::<T>(s.mul(de, k1), s.mul(dd, k1));
+    let n = out.len();
+    s.store_partial(&mut out[..n.min(l)], lo);
+    if n > l {
+        s.store_partial(&mut out[l..], hi);
+    }
+}
+
+/// `sums` with their `2·LANES` lanes (memory order) rotated down by `r < 2·LANES`: lane
+/// `i` of the result is lane `(i + r) mod 2·LANES`. Bit moves only (the blend adds +0 to
+/// each kept lane, and the sums never hold −0: they start at +0).
+#[inline(always)]
+fn rotate_pair_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    sums: PairSums<S::V>,
+    r: usize,
+) -> PairSums<S::V> {
+    let l = S::LANES;
+    let k = r % l;
+    let [on, off] = lanes_on(s, 0, l - k);
+    let turn = |[even, odd]: [S::V; 2]| {
+        let (lo, hi) = s.to_lane_order::<T>(even, odd);
+        let (lo, hi) = if r >= l { (hi, lo) } else { (lo, hi) };
+        let (rl, rh) = (s.rotate_lanes(lo, k), s.rotate_lanes(hi, k));
+        let lo = s.add(s.mask_positive(on, rl), s.mask_positive(off, rh));
+        let hi = s.add(s.mask_positive(on, rh), s.mask_positive(off, rl));
+        let (even, odd) = s.to_pair_order::<T>(lo, hi);
+        [even, odd]
+    };
+    PairSums {
+        a: turn(sums.a),
+        b: turn(sums.b),
+    }
+}
+
+/// [`sums_out_run`] for runs of at least [`PAIR_RUN_MIN`] elements where the ISA loads
+/// pairs in its own order ([`Simd::pair_even_odd`]: AVX2 bf16): `dy` and `x` one load,
+/// shift and mask per pair of vectors each (instead of two widening loads and shifts),
+/// `dx` narrowed in pair order with no cross-lane shuffle and streamed as whole 32-byte
+/// stores (a head peeled to align them).
+///
+/// Element `k` of the run is summed in lane `k mod 2·LANES` of [`PairSums`], in order,
+/// wherever `dx` sits: a peeled head of `h` elements folds into lanes `0..h`, the body
+/// into the sums rotated by `h` lanes, rotated back at the end; the aligned walk's last
+/// partial pair folds zeros into the lanes it does not cover (no change but for a
+/// non-finite mean), and so does a streamed run. The two halves of the run's sums are
+/// then added, in lane order, into `(a, b)`.
+#[inline(always)]
+fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    ins: [&[T]; N],
+    m: S::V,
+    out: &mut [T],
+    stream: bool,
+    k1: S::V,
+    (a, b): (S::V, S::V),
+) -> (S::V, S::V) {
+    let (l, len) = (S::LANES, out.len());
+    let p = 2 * l;
+    let stream = stream && S::HINTS && s.cl_stream_align::<T>() == p;
+    let zero = s.splat(U::ZERO);
+    let mut sums = PairSums {
+        a: [zero; 2],
+        b: [zero; 2],
+    };
+    let align = p * std::mem::size_of::<T>();
+    let head = if stream {
+        out.as_ptr().align_offset(align).min(len).min(p - 1)
+    } else {
+        0
+    };
+    if head > 0 {
+        let v = pair_partial(s, &ins, 0, head);
+        let on = pair_lanes_on::<U, S, T>(s, 0, head);
+        let d = fold_pair(s, &v, m, Some(on), &mut sums);
+        store_pair_partial(s, &mut out[..head], d, k1);
+        sums = rotate_pair_sums::<U, S, T>(s, sums, head);
+    }
+    let (ins_b, out_b) = (sub_n(&ins, head, None), &mut out[head..]);
+    let done = {
+        let mut w = Walk::new(l, ins_b, &mut *out_b);
+        if stream && w.aligned_to(align) {
+            sums_out_pairs_body::<U, S, T, N, true>(s, &mut w, m, k1, &mut sums)
+        } else {
+            sums_out_pairs_body::<U, S, T, N, false>(s, &mut w, m, k1, &mut sums)
+        }
+    };
+    let rest = out_b.len() - done;
+    if rest > 0 {
+        let v = pair_partial(s, &ins_b, done, rest);
+        // With no head, the last partial pair folds zeros past `rest`, as the aligned
+        // walk does; with one, only the elements, the zeros below.
+        let on = (head > 0).then(|| pair_lanes_on::<U, S, T>(s, 0, rest));
+        let d = fold_pair(s, &v, m, on, &mut sums);
+        store_pair_partial(s, &mut out_b[done..], d, k1);
+    }
+    if head > 0 {
+        sums = rotate_pair_sums::<U, S, T>(s, sums, p - head);
+        let last = len % p;
+        if last > 0 {
+            let zeros = ([zero; N], [zero; N]);
+            let on = pair_lanes_on::<U, S, T>(s, last, p);
+            fold_pair(s, &zeros, m, Some(on), &mut sums);
+        }
+    }
+    let (a0, a1) = s.to_lane_order::<T>(sums.a[0], sums.a[1]);
+    let (b0, b1) = s.to_lane_order::<T>(sums.b[0], sums.b[1]);
+    (s.add(a, s.add(a0, a1)), s.add(b, s.add(b0, b1)))
+}
+
+/// The whole pairs of [`sums_out_run_pairs`]; returns how many elements they cover.
+/// With `STREAM`, the output starts at a multiple of [`Simd::cl_stream_align`] elements,
+/// which is a pair.
+#[inline(always)]
+fn sums_out_pairs_body<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const N: usize,
+    const STREAM: bool,
+>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    m: S::V,
+    k1: S::V,
+    sums: &mut PairSums<S::V>,
+) -> usize {
+    let pairs = w.vectors() / 2;
+    assert!(w.reads.lanes_of(s) && (!STREAM || s.cl_stream_align::<T>() == 2 * S::LANES));
+    let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
+    for i in 0..pairs {
+        let j = 2 * i;
+        if STREAM {
+            w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
+        }
+        // SAFETY: `j + 1 < 2·pairs <= vectors`, and the lanes are checked above. With
+        // `STREAM` the output starts at a multiple of `cl_stream_align` = 2·LANES
+        // elements (the caller's test, and the assert above), so vector `j` (even) does.
+        unsafe {
+            let v = w.reads.load_pair_unchecked(s, j);
+            let (de, dd) = fold_pair(s, &v, m, None, sums);
+            let (de, dd) = (s.mul(de, k1), s.mul(dd, k1));
+            if STREAM {
+                w.stream_pair_cl_unchecked::<S, true>(s, j, de, dd);
+            } else {
+                w.store_pair_unchecked::<S, false>(s, j, de, dd);
+            }
+        }
+    }
+    2 * pairs * S::LANES
 }
 
 #[inline(always)]
@@ -1314,7 +1554,11 @@ mod tests {
                 vec![dy.clone(), x.clone()],
                 vec![dy.clone(), x.clone(), y.clone()],
             ] {
-                for len in [1usize, 3, 7, 15, 16, 17, 31, 32, 33, 64, 77, 100, 1000] {
+                // From 128 (`PAIR_RUN_MIN`) on, AVX2 bf16 walks pairs.
+                for len in [
+                    1usize, 3, 7, 15, 16, 17, 31, 32, 33, 64, 77, 100, 127, 128, 129, 136, 143,
+                    144, 151, 255, 1000,
+                ] {
                     for mean in [0.125, f64::INFINITY] {
                         let aligned = run(isa, &ins, len, mean, 0, false);
                         for off in 0..16 {
