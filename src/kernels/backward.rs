@@ -412,7 +412,9 @@ const PAIR_RUN_MIN: usize = 128;
 /// [`PAIR_RUN_MIN`]): 16-bit data with AVX2, bf16 in its even/odd pair order
 /// ([`Simd::pair_even_odd`]), f16 as two vectors in memory order (two chains of sums
 /// instead of one, and `dx` streamed as one 32-byte store a pair instead of two of 16
-/// bytes). Not the AVX-512 kernels: not measured (no AVX-512 machine at hand).
+/// bytes). `HINTS` with 8 lanes of `f32` is AVX2 among this crate's ISAs (the portable
+/// kernels have no hints, AVX-512 has 16 lanes). Not the AVX-512 kernels: not measured
+/// (no AVX-512 machine at hand).
 /// `scripts/ab.sh 3 "--shape 64,56,56,256 --shape 64,112,112,64 --format NCHW --op
 /// backward_inference --dtype f16"` (AMD EPYC Zen 1, time ÷ copy): f16 1.022 / 1.001
 /// -> 0.933 / 0.929.
@@ -422,7 +424,8 @@ fn rows_in_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S) -> bool {
 }
 
 /// The sums of one run in the ISA's pair order: `a[0]`, `b[0]` hold the even elements
-/// of each pair of vectors, `a[1]`, `b[1]` the odd ones ([`Simd::pair_even_odd`]).
+/// of each pair of vectors and `a[1]`, `b[1]` the odd ones where
+/// [`Simd::pair_even_odd`] (AVX2 bf16), the first and the second vector otherwise (f16).
 /// Together, lane `k mod 2·LANES` of a run (in memory order) is one sum.
 #[derive(Clone, Copy)]
 struct PairSums<V> {
@@ -440,7 +443,16 @@ fn pair_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     n: usize,
 ) -> ([S::V; N], [S::V; N]) {
     let l = S::LANES;
-    let mut even = load_partial_n(s, ins, at, n.min(l));
+    // (`load_partial` takes fewer than LANES elements.)
+    let mut even = if n >= l {
+        let mut v = [s.splat(U::ZERO); N];
+        for i in 0..N {
+            v[i] = s.load(&ins[i][at..at + l]);
+        }
+        v
+    } else {
+        load_partial_n(s, ins, at, n)
+    };
     let mut odd = if n > l {
         load_partial_n(s, ins, at + l, n - l)
     } else {
@@ -502,7 +514,11 @@ fn store_pair_partial<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let l = S::LANES;
     let (lo, hi) = s.to_lane_order::<T>(s.mul(de, k1), s.mul(dd, k1));
     let n = out.len();
-    s.store_partial(&mut out[..n.min(l)], lo);
+    if n >= l {
+        s.store(&mut out[..l], lo);
+    } else {
+        s.store_partial(out, lo);
+    }
     if n > l {
         s.store_partial(&mut out[l..], hi);
     }
@@ -539,8 +555,8 @@ fn rotate_pair_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 /// elements where [`rows_in_pairs`]. With AVX2 bf16 in its pair order
 /// ([`Simd::pair_even_odd`]): `dy` and `x` one load, shift and mask per pair of vectors
 /// each (instead of two widening loads and shifts), `dx` narrowed in pair order with no
-/// cross-lane shuffle. With f16 the pair is two vectors in memory order. Either way
-/// `dx` is streamed as whole 32-byte stores (a head peeled to align them).
+/// cross-lane shuffle. With f16 the pair is two vectors in memory order. Where `dx` is
+/// streamed, it goes out as whole 32-byte stores, after a head peeled to align them.
 ///
 /// Element `k` of the run is summed in lane `k mod 2·LANES` of [`PairSums`], in order,
 /// wherever `dx` sits: a peeled head of `h` elements folds into lanes `0..h`, the body
@@ -629,7 +645,9 @@ fn sums_out_pairs_body<
     sums: &mut PairSums<S::V>,
 ) -> usize {
     let pairs = w.vectors() / 2;
-    assert!(w.reads.lanes_of(s) && (!STREAM || s.cl_stream_align::<T>() == 2 * S::LANES));
+    let pair_bytes = 2 * S::LANES * std::mem::size_of::<T>();
+    assert!(w.reads.lanes_of(s));
+    assert!(!STREAM || (s.cl_stream_align::<T>() == 2 * S::LANES && w.aligned_to(pair_bytes)));
     let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
     for i in 0..pairs {
         let j = 2 * i;
@@ -638,7 +656,7 @@ fn sums_out_pairs_body<
         }
         // SAFETY: `j + 1 < 2·pairs <= vectors`, and the lanes are checked above. With
         // `STREAM` the output starts at a multiple of `cl_stream_align` = 2·LANES
-        // elements (the caller's test, and the assert above), so vector `j` (even) does.
+        // elements (both asserted above), so vector `j` (even) does.
         unsafe {
             let v = w.reads.load_pair_unchecked(s, j);
             let (de, dd) = fold_pair(s, &v, m, None, sums);
@@ -1568,7 +1586,7 @@ mod tests {
                 vec![dy.clone(), x.clone()],
                 vec![dy.clone(), x.clone(), y.clone()],
             ] {
-                // From 128 (`PAIR_RUN_MIN`) on, AVX2 bf16 walks pairs.
+                // From 128 (`PAIR_RUN_MIN`) on, AVX2 bf16 and f16 walk pairs.
                 for len in [
                     1usize, 3, 7, 15, 16, 17, 31, 32, 33, 64, 77, 100, 127, 128, 129, 136, 143,
                     144, 151, 255, 1000,
