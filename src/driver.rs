@@ -247,10 +247,13 @@ impl Case {
         };
         let seed = self.seed;
         let full = |stream: u64, f: &(dyn Fn(usize, f64) -> f64 + Sync)| -> Result<Tensor> {
-            let at = |i| f(channel_of(&g, i), normal(seed, stream, i));
-            generate(self.dtype, self.shape.clone(), g.len(), &at)
+            let at = |ch, i| f(ch, normal(seed, stream, i));
+            generate(self.dtype, self.shape.clone(), &g, &at)
         };
-        let vector = |f: &(dyn Fn(usize) -> f64 + Sync)| generate(u, vec![c], c, f);
+        // A per-channel vector: the geometry of `c` channels of one element.
+        let vector = |f: &(dyn Fn(usize) -> f64 + Sync)| {
+            generate(u, vec![c], &Geometry::new(1, c, 1), &|ch, _| f(ch))
+        };
         let gradient = |ch: usize, z: f64| constant.unwrap_or(0.1 + 0.9 * z + 0.05 * ch as f64);
         let mut out = Vec::new();
         for &name in self.op.input_names() {
@@ -325,15 +328,6 @@ impl fmt::Display for Case {
     }
 }
 
-/// Channel of element `i` of a tensor of geometry `g`.
-fn channel_of(g: &Geometry, i: usize) -> usize {
-    if g.channels <= 1 {
-        0
-    } else {
-        (i / g.inner) % g.channels
-    }
-}
-
 /// A deterministic, roughly standard normal value for element `i` of stream `stream`:
 /// the sum of four 16-bit uniforms from one splitmix64 hash (Irwin–Hall, mean 0,
 /// variance 1, within ±3.47), independent of evaluation order and cheap enough for
@@ -348,24 +342,45 @@ fn normal(seed: u64, stream: u64, i: usize) -> f64 {
     (sum as f64 / 65536.0 - 2.0) * 3f64.sqrt()
 }
 
-/// A tensor of `dtype` from `f(i)` (rounded to nearest even), made in parallel.
+/// A tensor of `dtype` and geometry `g` from `f(channel, i)` for its element `i`
+/// (rounded to nearest even), made in parallel: walked a run of a channel at a time,
+/// so no element's channel is found by division.
 fn generate(
     dtype: DType,
     shape: Vec<usize>,
-    n: usize,
-    f: &(dyn Fn(usize) -> f64 + Sync),
+    g: &Geometry,
+    f: &(dyn Fn(usize, usize) -> f64 + Sync),
 ) -> Result<Tensor> {
-    fn go<T: Element>(n: usize, f: &(dyn Fn(usize) -> f64 + Sync)) -> Vec<T> {
-        (0..n)
-            .into_par_iter()
-            .map(|i| T::narrow(T::Stat::from_f64(f(i))))
-            .collect()
+    fn go<T: Element>(g: &Geometry, f: &(dyn Fn(usize, usize) -> f64 + Sync)) -> Vec<T> {
+        let n = g.len();
+        let row = g.channels * g.inner;
+        let mut out = vec![T::narrow(T::Stat::from_f64(0.0)); n];
+        if n == 0 {
+            return out;
+        }
+        // Tasks of whole rows (every channel's run of one outer index), at least 16 K
+        // elements where rows are short.
+        let rows = (1usize << 14).div_ceil(row).max(1);
+        out.par_chunks_mut(row * rows)
+            .enumerate()
+            .for_each(|(t, chunk)| {
+                let mut i = t * row * rows;
+                for r in chunk.chunks_mut(row) {
+                    for (ch, run) in r.chunks_mut(g.inner).enumerate() {
+                        for o in run {
+                            *o = T::narrow(T::Stat::from_f64(f(ch, i)));
+                            i += 1;
+                        }
+                    }
+                }
+            });
+        out
     }
     let data = match dtype {
-        DType::F16 => TensorData::F16(go(n, f)),
-        DType::BF16 => TensorData::BF16(go(n, f)),
-        DType::F32 => TensorData::F32(go(n, f)),
-        DType::F64 => TensorData::F64(go(n, f)),
+        DType::F16 => TensorData::F16(go(g, f)),
+        DType::BF16 => TensorData::BF16(go(g, f)),
+        DType::F32 => TensorData::F32(go(g, f)),
+        DType::F64 => TensorData::F64(go(g, f)),
     };
     Tensor::from_data(shape, data)
 }
@@ -412,10 +427,10 @@ pub struct Reference {
     pub outputs: Vec<Expected>,
 }
 
-/// Storage indices of channel `c`'s elements, in order.
-fn positions(g: &Geometry, c: usize) -> impl Iterator<Item = usize> + '_ {
+/// Storage indices of channel `c`'s elements, in order: one range per outer index.
+fn runs(g: &Geometry, c: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let (inner, stride) = (g.inner, g.channels * g.inner);
-    (0..g.outer).flat_map(move |o| {
+    (0..g.outer).map(move |o| {
         let base = o * stride + c * inner;
         base..base + inner
     })
@@ -424,7 +439,11 @@ fn positions(g: &Geometry, c: usize) -> impl Iterator<Item = usize> + '_ {
 /// The values of channel `c` of a full-size input, widened.
 fn gather(t: &Tensor, g: &Geometry, c: usize) -> Vec<f64> {
     fn go<T: Element>(v: &[T], g: &Geometry, c: usize) -> Vec<f64> {
-        positions(g, c).map(|i| v[i].widen().to_f64()).collect()
+        let mut out = Vec::with_capacity(g.per_channel());
+        for run in runs(g, c) {
+            out.extend(v[run].iter().map(|e| e.widen().to_f64()));
+        }
+        out
     }
     match t.data() {
         TensorData::F16(v) => go(v, g, c),
@@ -926,58 +945,82 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
             max_rel: 0.0,
         };
         // Only the compared elements are widened (a sample of channels of a tensor of
-        // 2^31 elements must not need 16 GiB of f64).
-        let at = |i: usize| -> f64 {
-            match got.data() {
-                TensorData::F16(v) => v[i].to_f64(),
-                TensorData::BF16(v) => v[i].to_f64(),
-                TensorData::F32(v) => f64::from(v[i]),
-                TensorData::F64(v) => v[i],
+        // 2^31 elements must not need 16 GiB of f64). The loop is compiled once per
+        // element type (`compare`): per element, a `match` on the type and a software
+        // f64 -> f16 rounding were most of the time of the large-scale tests.
+        let dtype = got.dtype();
+        let mut judge = |c: usize, i: usize, v: f64, w: f64| -> Result<()> {
+            a.compared += 1;
+            if w.is_nan() || v.is_nan() {
+                if w.is_nan() && v.is_nan() {
+                    a.exact += 1;
+                    return Ok(());
+                }
+                return Err(fail(format!(
+                    "channel {c}, element {i}: got {v}, expected {w}"
+                )));
             }
+            let err = (v - w).abs();
+            // `v` is `w` rounded to the output's type: equal, or within a spacing of
+            // `w` (the bound only spares the rounding where it cannot hold).
+            if v == w || (err <= ulp * w.abs().max(tiny) && v == round_to(dtype, w)) {
+                a.exact += 1;
+            }
+            if err == 0.0 {
+                return Ok(());
+            }
+            let tol = rel * e.scale + ulp * w.abs().max(tiny) + e.floor;
+            let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
+            a.worst = a.worst.max(ratio);
+            if e.scale > 0.0 {
+                a.max_rel = a.max_rel.max(err / e.scale);
+            }
+            if ratio.is_nan() || ratio > 1.0 {
+                return Err(fail(format!(
+                    "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·max(|expected|, {tiny:e}) + {:.3e})",
+                    e.scale, e.floor
+                )));
+            }
+            Ok(())
         };
         for (k, &c) in want.channels.iter().enumerate() {
             let wants = &e.values[k * per..][..per];
-            let places: Box<dyn Iterator<Item = usize>> = if per_channel {
-                Box::new(std::iter::once(c))
-            } else {
-                Box::new(positions(g, c))
-            };
-            for (i, &w) in places.zip(wants) {
-                let v = at(i);
-                a.compared += 1;
-                if w.is_nan() || v.is_nan() {
-                    if w.is_nan() && v.is_nan() {
-                        a.exact += 1;
-                        continue;
-                    }
-                    return Err(fail(format!(
-                        "channel {c}, element {i}: got {v}, expected {w}"
-                    )));
-                }
-                if v == round_to(got.dtype(), w) {
-                    a.exact += 1;
-                }
-                let err = (v - w).abs();
-                if err == 0.0 {
-                    continue;
-                }
-                let tol = rel * e.scale + ulp * w.abs().max(tiny) + e.floor;
-                let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
-                a.worst = a.worst.max(ratio);
-                if e.scale > 0.0 {
-                    a.max_rel = a.max_rel.max(err / e.scale);
-                }
-                if ratio.is_nan() || ratio > 1.0 {
-                    return Err(fail(format!(
-                        "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·max(|expected|, {tiny:e}) + {:.3e})",
-                        e.scale, e.floor
-                    )));
-                }
+            match got.data() {
+                TensorData::F16(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
+                TensorData::BF16(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
+                TensorData::F32(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
+                TensorData::F64(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
             }
         }
         report.outputs.push(a);
     }
     Ok(report)
+}
+
+/// Calls `judge(c, i, got, want)` for channel `c`'s values of `v` (its one value where
+/// `per_channel`, else its elements in storage order) and their expected `wants`.
+fn compare<T: Element>(
+    v: &[T],
+    g: &Geometry,
+    c: usize,
+    per_channel: bool,
+    wants: &[f64],
+    judge: &mut impl FnMut(usize, usize, f64, f64) -> Result<()>,
+) -> Result<()> {
+    let widen = |i: usize| v[i].widen().to_f64();
+    if per_channel {
+        if let Some(&w) = wants.first() {
+            judge(c, c, widen(c), w)?;
+        }
+        return Ok(());
+    }
+    let mut wants = wants.iter();
+    for run in runs(g, c) {
+        for (i, &w) in run.zip(&mut wants) {
+            judge(c, i, widen(i), w)?;
+        }
+    }
+    Ok(())
 }
 
 /// The smallest positive normal number of `d`: below it the spacing of `d` is fixed

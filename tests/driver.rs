@@ -1,0 +1,74 @@
+//! The driver's comparison (`fusedbn::driver::check`) is the oracle of the property and
+//! large-scale tests and of `fusedbn run --check`: it must pass the op's own outputs and
+//! reject outputs that are wrong by more than the tolerance, whatever the element type,
+//! in an elementwise output and in a per-channel one, and a NaN where a number is
+//! expected.
+
+use fusedbn::driver::{check, reference, Case, Fill};
+use fusedbn::ops::{Op, Outputs};
+use fusedbn::{DType, DataFormat, Tensor, TensorData};
+
+/// `outputs` with element `i` of output `name` replaced by `f(old)`.
+fn altered(op: Op, outputs: &Outputs, name: &str, i: usize, f: impl Fn(f64) -> f64) -> Outputs {
+    let tensors = op
+        .output_names()
+        .iter()
+        .map(|&n| {
+            let t = outputs.get(n).expect("every output").clone();
+            if n != name {
+                return t;
+            }
+            let mut v = t.to_f64_vec();
+            v[i] = f(v[i]);
+            let data = match t.dtype() {
+                DType::F16 => TensorData::F16(v.iter().map(|&e| half::f16::from_f64(e)).collect()),
+                DType::BF16 => {
+                    TensorData::BF16(v.iter().map(|&e| half::bf16::from_f64(e)).collect())
+                }
+                DType::F32 => TensorData::F32(v.iter().map(|&e| e as f32).collect()),
+                DType::F64 => TensorData::F64(v),
+            };
+            Tensor::from_data(t.shape().to_vec(), data).expect("same shape")
+        })
+        .collect();
+    Outputs::from_tensors(op, tensors).expect("the op's outputs")
+}
+
+#[test]
+fn check_passes_the_op_and_rejects_wrong_values() {
+    let op = Op::FusedBatchNormV3;
+    for format in DataFormat::ALL {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let logical: &[usize] = if format.rank() == 5 {
+                &[2, 3, 5, 7, 9]
+            } else {
+                &[2, 5, 7, 9]
+            };
+            let case = Case::new(op, format, logical, dtype)
+                .expect("valid case")
+                .training(true)
+                .fill(Fill::Random {
+                    mean: 3.0,
+                    std: 2.0,
+                });
+            let inputs = case.inputs().expect("inputs");
+            let got = case.run(&inputs).expect("the op runs");
+            let want = reference(op, &case.named(&inputs), &case.attrs, None).expect("reference");
+            let report = check(&want, &got).unwrap_or_else(|e| panic!("{case}: {e}"));
+            assert!(report.worst() <= 1.0, "{case}: {report}");
+            let y = report.outputs.iter().find(|a| a.name == "y").expect("y");
+            assert_eq!(y.compared, logical.iter().product::<usize>(), "{case}");
+            assert!(y.exact > 0, "{case}: no exact value\n{report}");
+
+            // Wrong by 10 % of the value, far beyond 1e-4 of the scale plus two ulps (bf16:
+            // 1.6 %).
+            for (name, i) in [("y", 17), ("batch_mean", 4), ("batch_variance", 8)] {
+                let bad = altered(op, &got, name, i, |v| v * 1.1 + 0.1);
+                let e = check(&want, &bad).expect_err(&format!("{case}: {name}[{i}] off"));
+                assert!(e.to_string().contains(name), "{case}: {e}");
+            }
+            let nan = altered(op, &got, "y", 3, |_| f64::NAN);
+            check(&want, &nan).expect_err(&format!("{case}: a NaN in y"));
+        }
+    }
+}
