@@ -29,7 +29,7 @@ use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn
 use super::backward::{
     self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
 };
-use super::simd::{splat_n, sub_n, Dispatch, Isa, Kernel, Simd};
+use super::simd::{splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
     apply, channel_tiles, merge_channel_results, resident_bytes, scratch, ChannelMajorSplit,
@@ -130,14 +130,29 @@ fn resident_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     pace: &mut P,
 ) -> Moments {
     let (first, rest) = RowChunks::first(g);
-    let mut m = stats::channel_rows_paced(s, g, x, c, first.start, first.end, pace);
-    for r in rest {
-        m = Moments::merge(
-            m,
-            stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace),
-        );
+    // One call site of the reduction (the first chunk is not merged, as before).
+    let mut m: Option<Moments> = None;
+    for r in std::iter::once(first).chain(rest) {
+        let next = stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace);
+        m = Some(m.map_or(next, |m| Moments::merge(m, next)));
     }
-    m
+    m.unwrap_or(Moments::EMPTY)
+}
+
+/// [`resident_moments`] as a function of its own ([`Simd::outline`]).
+struct MomentsOf<'r, T, P> {
+    g: &'r Geometry,
+    x: &'r [T],
+    c: usize,
+    pace: &'r mut P,
+}
+
+impl<T: Element, S: Simd<T::Stat>, P: Pace<S>> Body<S> for MomentsOf<'_, T, P> {
+    type Output = Moments;
+    #[inline(always)]
+    fn run(self, s: S) -> Moments {
+        resident_moments(s, self.g, self.x, self.c, self.pace)
+    }
 }
 
 /// The offset of the row a resident pass over the outer rows `span` prefetches: row `o`
@@ -218,6 +233,17 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     /// with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and 1.16).
     #[inline(always)]
     fn upto(&mut self, end: usize, ahead: usize) {
+        let w = self.w;
+        w.outline(Upto {
+            behind: self,
+            end,
+            ahead,
+        });
+    }
+
+    /// [`RowsBehind::upto`]'s loop, inlined into the function [`Upto`] outlines.
+    #[inline(always)]
+    fn upto_here(&mut self, end: usize, ahead: usize) {
         let g = self.g;
         while self.next < end {
             let o = self.next;
@@ -241,6 +267,25 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
             );
             self.next += 1;
         }
+    }
+}
+
+/// A resident pass's row writes up to outer row `end` ([`RowsBehind::upto`],
+/// [`SideBehind::upto`]) as a function of their own ([`Simd::outline`]): one per pass
+/// instead of one per tile pacing and call site.
+struct Upto<'b, B> {
+    behind: &'b mut B,
+    end: usize,
+    ahead: usize,
+}
+
+impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Body<S>
+    for Upto<'_, RowsBehind<'_, '_, T, S, F, N, K>>
+{
+    type Output = ();
+    #[inline(always)]
+    fn run(self, _: S) {
+        self.behind.upto_here(self.end, self.ahead);
     }
 }
 
@@ -280,7 +325,12 @@ where
         let x = self.ins[0];
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         let pipe = self.pipelined;
-        let mut m = resident_moments(s, g, x, t.c0, &mut NoPace);
+        let mut m = s.outline(MomentsOf {
+            g,
+            x,
+            c: t.c0,
+            pace: &mut NoPace,
+        });
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let k = (self.coeffs)(c, m);
@@ -299,7 +349,12 @@ where
                 f: &self.f,
             };
             let next = if more && pipe {
-                resident_moments(s, g, x, c + 1, &mut behind)
+                s.outline(MomentsOf {
+                    g,
+                    x,
+                    c: c + 1,
+                    pace: &mut behind,
+                })
             } else {
                 Moments::EMPTY
             };
@@ -307,7 +362,12 @@ where
             behind.upto(g.outer, if pipe { 1 } else { g.outer });
             out.push(m);
             m = if more && !pipe {
-                resident_moments(s, g, x, c + 1, &mut NoPace)
+                s.outline(MomentsOf {
+                    g,
+                    x,
+                    c: c + 1,
+                    pace: &mut NoPace,
+                })
             } else {
                 next
             };
@@ -347,7 +407,14 @@ where
         let data = GradData { dy, mask, x };
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         let pipe = self.pipelined;
-        let mut sums = resident_sums(s, g, data, self.mean, t.c0, &mut NoPace);
+        let mean = self.mean;
+        let mut sums = s.outline(SumsOf {
+            g,
+            data,
+            mean,
+            c: t.c0,
+            pace: &mut NoPace,
+        });
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
@@ -367,14 +434,26 @@ where
                 f: &self.f,
             };
             let next = if more && pipe {
-                resident_sums(s, g, data, self.mean, c + 1, &mut behind)
+                s.outline(SumsOf {
+                    g,
+                    data,
+                    mean,
+                    c: c + 1,
+                    pace: &mut behind,
+                })
             } else {
                 (0.0, 0.0)
             };
             behind.upto(g.outer, if pipe { 1 } else { g.outer });
             out.push(sums);
             sums = if more && !pipe {
-                resident_sums(s, g, data, self.mean, c + 1, &mut NoPace)
+                s.outline(SumsOf {
+                    g,
+                    data,
+                    mean,
+                    c: c + 1,
+                    pace: &mut NoPace,
+                })
             } else {
                 next
             };
@@ -398,12 +477,31 @@ fn resident_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     pace: &mut P,
 ) -> (f64, f64) {
     let (first, rest) = RowChunks::first(g);
-    let (mut sdy, mut sdx) = backward::channel_rows_paced(s, g, data, mean[c], c, first, pace);
-    for r in rest {
+    // One call site of the reduction (the first chunk's sums are not added to zero:
+    // the same bits as before, -0 included).
+    let mut sums: Option<(f64, f64)> = None;
+    for r in std::iter::once(first).chain(rest) {
         let (a, b) = backward::channel_rows_paced(s, g, data, mean[c], c, r, pace);
-        (sdy, sdx) = (sdy + a, sdx + b);
+        sums = Some(sums.map_or((a, b), |(sdy, sdx)| (sdy + a, sdx + b)));
     }
-    (sdy, sdx)
+    sums.unwrap_or((0.0, 0.0))
+}
+
+/// [`resident_sums`] as a function of its own ([`Simd::outline`]).
+struct SumsOf<'r, 'a, T: Element, P> {
+    g: &'r Geometry,
+    data: GradData<'a, T>,
+    mean: &'r [T::Stat],
+    c: usize,
+    pace: &'r mut P,
+}
+
+impl<T: Element, S: Simd<T::Stat>, P: Pace<S>> Body<S> for SumsOf<'_, '_, T, P> {
+    type Output = (f64, f64);
+    #[inline(always)]
+    fn run(self, s: S) -> (f64, f64) {
+        resident_sums(s, self.g, self.data, self.mean, self.c, self.pace)
+    }
 }
 
 /// This part's chunks of channel `c` of x reduced and published to `ex`, with `pace`
@@ -1058,7 +1156,15 @@ where
         let t = sg.task;
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         let pipe = self.pipelined;
-        let mut sums = side_sums(s, g, d, self.mean, t.c0, &mut sg, &mut NoPace);
+        let mean = self.mean;
+        let mut sums = s.outline(SideSumsOf {
+            g,
+            data: d,
+            mean,
+            c: t.c0,
+            sg: &mut sg,
+            pace: &mut NoPace,
+        });
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
@@ -1073,14 +1179,28 @@ where
                 stream: self.stream,
             };
             let next = if more && pipe {
-                side_sums(s, g, d, self.mean, c + 1, &mut sg, &mut behind)
+                s.outline(SideSumsOf {
+                    g,
+                    data: d,
+                    mean,
+                    c: c + 1,
+                    sg: &mut sg,
+                    pace: &mut behind,
+                })
             } else {
                 (0.0, 0.0)
             };
             behind.upto(s, &mut sg, g.outer, if pipe { 1 } else { g.outer });
             out.push(sums);
             sums = if more && !pipe {
-                side_sums(s, g, d, self.mean, c + 1, &mut sg, &mut NoPace)
+                s.outline(SideSumsOf {
+                    g,
+                    data: d,
+                    mean,
+                    c: c + 1,
+                    sg: &mut sg,
+                    pace: &mut NoPace,
+                })
             } else {
                 next
             };
@@ -1106,12 +1226,31 @@ fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>>(
 ) -> (f64, f64) {
     let one = U::from_f64(1.0);
     let (first, rest) = RowChunks::first(g);
-    let (mut sdy, mut sdx) = channel_rows_out(s, g, d, mean[c], one, c, first, sg, false, pace);
-    for r in rest {
+    // One call site of the reduction, as in `resident_sums`.
+    let mut sums: Option<(f64, f64)> = None;
+    for r in std::iter::once(first).chain(rest) {
         let (a, b) = channel_rows_out(s, g, d, mean[c], one, c, r, sg, false, pace);
-        (sdy, sdx) = (sdy + a, sdx + b);
+        sums = Some(sums.map_or((a, b), |(sdy, sdx)| (sdy + a, sdx + b)));
     }
-    (sdy, sdx)
+    sums.unwrap_or((0.0, 0.0))
+}
+
+/// [`side_sums`] as a function of its own ([`Simd::outline`]).
+struct SideSumsOf<'r, 'a, 's, T: Element, P> {
+    g: &'r Geometry,
+    data: GradData<'a, T>,
+    mean: &'r [T::Stat],
+    c: usize,
+    sg: &'r mut TaskRows<'s, T>,
+    pace: &'r mut P,
+}
+
+impl<T: Element, S: Simd<T::Stat>, P: PaceSide<S, T>> Body<S> for SideSumsOf<'_, '_, '_, T, P> {
+    type Output = (f64, f64);
+    #[inline(always)]
+    fn run(self, s: S) -> (f64, f64) {
+        side_sums(s, self.g, self.data, self.mean, self.c, self.sg, self.pace)
+    }
 }
 
 /// [`Pace`] for the side gradient's reduction, which writes `sg` (the masked dy) as it
@@ -1149,6 +1288,16 @@ impl<T: Element, S: Simd<T::Stat>> SideBehind<'_, '_, T, S> {
     /// prefetching the row of x and of dy of channel `c + 1` `ahead` rows further.
     #[inline(always)]
     fn upto(&mut self, s: S, sg: &mut TaskRows<'_, T>, end: usize, ahead: usize) {
+        s.outline(Upto {
+            behind: &mut (self, sg),
+            end,
+            ahead,
+        });
+    }
+
+    /// [`SideBehind::upto`]'s loop, inlined into the function [`Upto`] outlines.
+    #[inline(always)]
+    fn upto_here(&mut self, s: S, sg: &mut TaskRows<'_, T>, end: usize, ahead: usize) {
         let (g, c, x, dy) = (self.g, self.c, self.data.x, self.data.dy);
         while self.next < end {
             let o = self.next;
@@ -1170,6 +1319,17 @@ impl<T: Element, S: Simd<T::Stat>> SideBehind<'_, '_, T, S> {
             );
             self.next += 1;
         }
+    }
+}
+
+impl<T: Element, S: Simd<T::Stat>> Body<S>
+    for Upto<'_, (&mut SideBehind<'_, '_, T, S>, &mut TaskRows<'_, T>)>
+{
+    type Output = ();
+    #[inline(always)]
+    fn run(self, s: S) {
+        let (behind, sg) = self.behind;
+        behind.upto_here(s, sg, self.end, self.ahead);
     }
 }
 

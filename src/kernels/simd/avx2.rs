@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kernel, Simd};
+use super::{Body, Kernel, Simd};
 use crate::element::Element;
 use crate::tensor::DType;
 
@@ -23,6 +23,16 @@ pub(crate) struct Avx2 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
     k.run(Avx2 { plain_nans: false })
+}
+
+/// [`Simd::outline`] for AVX2.
+///
+/// # Safety
+/// As [`run`]: an [`Avx2`] token exists only inside it.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn outlined<B: Body<Avx2>>(s: Avx2, b: B) -> B::Output {
+    b.run(s)
 }
 
 const L: usize = 8;
@@ -482,6 +492,11 @@ impl Simd<f32> for Avx2 {
     #[inline(always)]
     fn fence(self) {
         unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn outline<B: Body<Self>>(self, b: B) -> B::Output {
+        // SAFETY: `self` was made by `run`, on a CPU with AVX2, FMA and F16C.
+        unsafe { outlined(self, b) }
     }
     #[inline(always)]
     fn prefetch<T>(self, data: &[T]) {

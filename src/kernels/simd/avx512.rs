@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::{Kernel, Simd};
+use super::{Body, Kernel, Simd};
 use crate::element::Element;
 use crate::tensor::DType;
 
@@ -43,6 +43,17 @@ pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
 unsafe fn run_with<K: Kernel<f32>>(k: K, bf16: bool) -> K::Output {
     k.run(Avx512 { bf16 })
+}
+
+/// [`Simd::outline`] for AVX-512.
+///
+/// # Safety
+/// As [`run_with`]: an [`Avx512`] token exists only inside it, and its `bf16` is true
+/// only where the CPU has the BF16 instructions.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn outlined<B: Body<Avx512>>(s: Avx512, b: B) -> B::Output {
+    b.run(s)
 }
 
 const L: usize = 16;
@@ -340,6 +351,11 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     fn fence(self) {
         unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn outline<B: Body<Self>>(self, b: B) -> B::Output {
+        // SAFETY: `self` was made by `run_with`, on a CPU with AVX-512 F, BW, VL and DQ.
+        unsafe { outlined(self, b) }
     }
     #[inline(always)]
     fn prefetch<T>(self, data: &[T]) {

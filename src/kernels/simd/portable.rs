@@ -12,7 +12,7 @@
 
 use wide::{f32x8, f64x8, u16x8, u32x8};
 
-use super::Simd;
+use super::{Body, Simd};
 use crate::element::Element;
 use crate::tensor::DType;
 
@@ -21,6 +21,12 @@ use crate::tensor::DType;
 pub struct Portable;
 
 const L: usize = 8;
+
+/// [`Simd::outline`] for the portable ISA.
+#[inline(never)]
+fn outlined<B: Body<Portable>>(s: Portable, b: B) -> B::Output {
+    b.run(s)
+}
 
 /// The `Simd` implementation for one compute type `$u` over its `wide` vector `$v`;
 /// `$load` and `$store` are the element conversions ([`load_f32`], [`store_f32`],
@@ -31,6 +37,11 @@ macro_rules! portable_simd {
             const LANES: usize = L;
             const HINTS: bool = false;
             type V = $v;
+
+            #[inline(always)]
+            fn outline<B: Body<Self>>(self, b: B) -> B::Output {
+                outlined(self, b)
+            }
 
             #[inline(always)]
             fn splat(self, v: $u) -> $v {
