@@ -470,10 +470,11 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     /// caller, compiled for this token's ISA: for the pieces a kernel would otherwise
     /// inline several times over (a resident pass's reductions and its row writes,
     /// once per pacing and per call site). LLVM's scalar replacement of aggregates
-    /// (SROA) grows faster than the size of a function: three resident passes with
-    /// 16-bit data took 1,600 of the 4,700 CPU-seconds of a release build of the
-    /// library in SROA alone (`-Z llvm-time-trace`). A call per tile or per channel
-    /// costs nothing next to the rows it covers.
+    /// (SROA) grows faster than the size of a function: in a release build of the
+    /// library, SROA was 2,486 of the 3,854 thread-seconds of LLVM's function
+    /// pipeline (`-Z llvm-time-trace`), 1,600 of them in three resident passes with
+    /// 16-bit data. A call per tile or per channel costs nothing next to the rows it
+    /// covers.
     fn outline<B: Body<Self>>(self, b: B) -> B::Output;
     /// Hints that the cache line holding `data[0]` will be read soon (into L2). A
     /// hint only: no effect on results; empty slices are ignored.
