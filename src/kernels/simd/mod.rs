@@ -72,9 +72,9 @@ impl Isa {
             }
             // The fuzz targets (cargo-fuzz builds with `--cfg fuzzing`) run the AVX2
             // and portable kernels only: the AVX-512 instances were a third of the
-            // library's code, and cargo-fuzz compiles it as one codegen unit with
-            // AddressSanitizer (CI's longest single build step). The ordinary tests
-            // run every ISA the machine has.
+            // library's code (of its unoptimized IR), and cargo-fuzz compiles it as
+            // one codegen unit with AddressSanitizer, on one core beside CI's other
+            // steps. The ordinary tests run every ISA the machine has.
             #[cfg(all(target_arch = "x86_64", fuzzing))]
             Isa::Avx512 => false,
             #[cfg(all(target_arch = "x86_64", not(fuzzing)))]
