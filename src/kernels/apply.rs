@@ -197,7 +197,8 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             let c = g.channels;
             // The channel advances with the row (no division per row).
             let mut ch = self.row0 % c.max(1);
-            for (r, out) in self.out.chunks_exact_mut(g.inner).enumerate() {
+            // (`max(1)`: an empty C = 1 geometry has rows of 0 elements, and no rows.)
+            for (r, out) in self.out.chunks_exact_mut(g.inner.max(1)).enumerate() {
                 let ins = sub_n(&self.ins, r * g.inner, Some(g.inner));
                 let mut kv = [T::Stat::ZERO; K];
                 for (v, k) in kv.iter_mut().zip(self.consts) {
@@ -639,13 +640,14 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
         s.store_partial(&mut out[h0..h0 + n], v);
         h0 += n;
     }
-    let (mut ins, mut out) = (sub_n(&ins, head, None), &mut out[head..]);
+    let (ins, mut out) = (sub_n(&ins, head, None), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);
     let singles = Reads::new(l, single, pattern.period);
-    // Streamed from DRAM with vectors under a line and at most two inputs: the run's
-    // first two halves walked in lockstep (see `periodic_two`), the rest as below. Each
-    // half is a whole number of periods and of lines, so the second starts at the
-    // pattern's phase 0 and on a line, as the first does. With three inputs (the Ex
+    // Streamed from DRAM with vectors under a line and at most two inputs: two walks of
+    // nearly half the run each in lockstep (see `periodic_two`), a gap of a few units
+    // apart (`two_walks`), the gap and the rest as below. Each walk is a whole number of
+    // periods and of lines, so the second starts at the pattern's phase 0 and on a
+    // line, as the first does. With three inputs (the Ex
     // gradient's dy, x and y: six streams read a thread) bf16 AVX2 was slower (NHWC
     // 64x56x56x256, 1.22 -> 1.67 of a copy, `scripts/ab.sh 3`).
     //
@@ -656,54 +658,122 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     // Both tests had stayed in the AVX2 loops, a test and a branch each a store.
     let line = (64 / size_of::<T>()).max(1);
     let unit = lcm(pattern.period, line);
-    let half = out.len() / 2 / unit * unit;
     let whole_at = whole_bytes::<U, S, T>(s);
     let even = consts.vectors().is_multiple_of(2);
     let whole = even && (out.as_ptr() as usize).is_multiple_of(whole_at);
-    if S::HINTS && stream && whole && l * size_of::<T>() < 64 && N <= 2 && half > 0 {
+    let two = S::HINTS && stream && whole && l * size_of::<T>() < 64 && N <= 2;
+    // The two walks: `[0, half)` and `[half + gap, 2·half + gap)`; the gap between
+    // them and the rest after them go through the single walk below.
+    let (half, gap) = match two.then(|| two_walks(out.len(), unit, size_of::<T>())) {
+        Some(Some(w)) => w,
+        _ => (0, 0),
+    };
+    let mut rest_at = 0;
+    let mut gap_out: &mut [T] = &mut [];
+    if half > 0 {
         let (first, rest) = out.split_at_mut(half);
+        let (between, rest) = rest.split_at_mut(gap);
         let (second, rest) = rest.split_at_mut(half);
         let mut a = Walk::new(l, sub_n(&ins, 0, Some(half)), first);
-        let mut b = Walk::new(l, sub_n(&ins, half, Some(half)), second);
+        let mut b = Walk::new(l, sub_n(&ins, half + gap, Some(half)), second);
         let (walks, reads) = ([&mut a, &mut b], [&consts, &singles]);
         match s.plain_nans_const::<T>() {
             Some(p) => periodic_two::<U, S, T, F, N, K>(p, walks, reads, f),
             None => periodic_two::<U, S, T, F, N, K>(s, walks, reads, f),
         }
-        ins = sub_n(&ins, 2 * half, None);
+        gap_out = between;
+        rest_at = 2 * half + gap;
         out = rest;
     }
-    let (at, n) = {
-        let mut w = Walk::new(l, ins, &mut *out);
-        let reads = [&consts, &singles];
-        if S::HINTS && stream && w.aligned() {
-            match (even && w.aligned_to(whole_at), s.plain_nans_const::<T>()) {
-                (true, Some(p)) => {
-                    periodic_body::<U, S, T, F, N, K, true, true>(p, &mut w, reads, f)
-                }
-                (true, None) => periodic_body::<U, S, T, F, N, K, true, true>(s, &mut w, reads, f),
-                (false, Some(p)) => {
-                    periodic_body::<U, S, T, F, N, K, true, false>(p, &mut w, reads, f)
-                }
-                (false, None) => {
-                    periodic_body::<U, S, T, F, N, K, true, false>(s, &mut w, reads, f)
-                }
-            }
-        } else {
-            match s.plain_nans_const::<T>() {
-                Some(p) => periodic_body::<U, S, T, F, N, K, false, false>(p, &mut w, reads, f),
-                None => periodic_body::<U, S, T, F, N, K, false, false>(s, &mut w, reads, f),
-            }
+    // The gap (a whole number of units: no tail), then the rest; each starts at the
+    // pattern's phase 0. One loop, so the single walk's code is compiled once.
+    let gap_ins = sub_n(&ins, half, None);
+    let rest_ins = sub_n(&ins, rest_at, None);
+    for (ins, out) in [(gap_ins, gap_out), (rest_ins, out)] {
+        if out.is_empty() {
+            continue;
         }
-        w.tail()
-    };
-    if n > 0 {
-        let p = at % pattern.period;
-        let k = load_partial_n(s, &single, p, n);
-        let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
-        s.store_partial(&mut out[at..at + n], v);
+        let (at, n) = {
+            let mut w = Walk::new(l, ins, &mut *out);
+            let reads = [&consts, &singles];
+            if S::HINTS && stream && w.aligned() {
+                match (even && w.aligned_to(whole_at), s.plain_nans_const::<T>()) {
+                    (true, Some(p)) => {
+                        periodic_body::<U, S, T, F, N, K, true, true>(p, &mut w, reads, f)
+                    }
+                    (true, None) => {
+                        periodic_body::<U, S, T, F, N, K, true, true>(s, &mut w, reads, f)
+                    }
+                    (false, Some(p)) => {
+                        periodic_body::<U, S, T, F, N, K, true, false>(p, &mut w, reads, f)
+                    }
+                    (false, None) => {
+                        periodic_body::<U, S, T, F, N, K, true, false>(s, &mut w, reads, f)
+                    }
+                }
+            } else {
+                match s.plain_nans_const::<T>() {
+                    Some(p) => periodic_body::<U, S, T, F, N, K, false, false>(p, &mut w, reads, f),
+                    None => periodic_body::<U, S, T, F, N, K, false, false>(s, &mut w, reads, f),
+                }
+            }
+            w.tail()
+        };
+        if n > 0 {
+            let p = at % pattern.period;
+            let k = load_partial_n(s, &single, p, n);
+            let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
+            s.store_partial(&mut out[at..at + n], v);
+        }
     }
 }
+
+/// The walks of [`periodic_two`] over a run of `len` elements of `size` bytes: `(half,
+/// gap)`, the first walk `[0, half)` and the second `[half + gap, 2·half + gap)`, both
+/// whole numbers of `unit` elements (whole periods and lines), with the second's bytes
+/// as near half a page past the first's as a gap of at most [`GAP_UNITS`] units puts
+/// them (the first such gap); `None` where no such gap puts them [`WALK_SKEW_MIN_BYTES`] off a multiple of a
+/// page (a unit of whole pages), or the run is under two units.
+///
+/// Why: the two walks' output, their input and the pass's constants usually sit at the
+/// same offsets in their pages (large buffers come from `mmap`, and half of a task was a
+/// whole number of pages), so a load of the one walk matched the low 12 address bits
+/// of a store of the other still in flight (a 4K alias), and waited for it. The loads
+/// of each step come before its stores (see [`periodic_two`]), but with non-temporal
+/// stores queued behind DRAM the stores of the steps before are in flight too. On an
+/// AMD EPYC Zen 3 (AVX2, 2026-12-01) `perf` put two thirds of the bf16 loop's samples
+/// on its loads, and the C model (`scripts/models/two_streams.c`, time ÷ a memcpy):
+/// two walks a page multiple apart 1.25 (0.89 with whole lines a step), one walk 0.63,
+/// two walks 512, 1,024 or 2,048 bytes apart 0.64 / 0.65 / 0.63.
+fn two_walks(len: usize, unit: usize, size: usize) -> Option<(usize, usize)> {
+    let unit_bytes = unit * size;
+    let mut best: Option<(usize, usize, usize)> = None;
+    // Each unit of gap moves the second walk by about half a unit (the walks shrink).
+    for k in 0..=GAP_UNITS.min(2 * PAGE / unit_bytes.max(1) + 2) {
+        let gap = k * unit;
+        let half = len.checked_sub(gap)? / 2 / unit * unit;
+        if half == 0 {
+            break;
+        }
+        let apart = (half + gap) * size % PAGE;
+        let skew = apart.min(PAGE - apart);
+        if best.is_none_or(|(s, _, _)| skew > s) {
+            best = Some((skew, half, gap));
+        }
+    }
+    best.and_then(|(skew, half, gap)| (skew >= WALK_SKEW_MIN_BYTES).then_some((half, gap)))
+}
+
+/// The most units [`two_walks`] puts between its walks.
+const GAP_UNITS: usize = 64;
+
+/// A page, as far as the 4K aliasing of loads and stores goes.
+const PAGE: usize = 4096;
+
+/// The least distance from a page multiple that [`two_walks`] takes the walks' bytes
+/// apart: past the stores a walk has in flight (the C model: 512 bytes as good as
+/// 2,048).
+const WALK_SKEW_MIN_BYTES: usize = 512;
 
 /// The loops of [`periodic`] over one walk; `STREAM`: non-temporal stores (the output
 /// [`Walk::aligned`]); `WHOLE`: every pair of the non-quad loop starts at a multiple of
@@ -848,6 +918,8 @@ fn periodic_body<
 /// switches for the trial; the committed build against the one before it: NHWC forward
 /// training 16-bit 2.25-2.31 -> 1.54-1.60, backward training 1.86-2.13 -> 1.44-1.63.)
 /// Not measured with AVX-512, whose 16-bit passes take this loop too.
+/// On a Zen 3 that order was not enough: the stores of the steps before are in flight
+/// too, and the walks now start a gap apart that is no page multiple ([`two_walks`]).
 #[inline(always)]
 fn periodic_two<U, S, T, F, const N: usize, const K: usize>(
     s: S,
@@ -934,4 +1006,118 @@ pub(crate) fn lcm(a: usize, b: usize) -> usize {
         }
     }
     a / gcd(a, b) * b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn two_walks_are_whole_units_in_the_run_and_off_a_page_apart() {
+        for size in [2, 4] {
+            for unit in [8, 16, 32, 64, 96, 256, 320, 512, 1024, 1536, 2048, 4096] {
+                for len in [
+                    0,
+                    unit,
+                    2 * unit,
+                    3 * unit + 5,
+                    64 * unit,
+                    1 << 18,
+                    (1 << 18) + 7,
+                ] {
+                    let Some((half, gap)) = two_walks(len, unit, size) else {
+                        // Only a run of a few units, or a unit of whole pages.
+                        let short = len < 64 * unit;
+                        assert!(
+                            short || (unit * size).is_multiple_of(PAGE),
+                            "{len} {unit} {size}"
+                        );
+                        continue;
+                    };
+                    assert!(half > 0 && half.is_multiple_of(unit) && gap.is_multiple_of(unit));
+                    assert!(2 * half + gap <= len && gap <= GAP_UNITS * unit);
+                    let apart = (half + gap) * size % PAGE;
+                    assert!(apart.min(PAGE - apart) >= WALK_SKEW_MIN_BYTES);
+                }
+            }
+        }
+        // ResNet-50's NHWC bf16 tasks: C = 256 and 64 with AVX2 (units of 256 and 128
+        // elements) and tasks of 2^18 elements, each half a whole number of pages.
+        for unit in [256, 128] {
+            let (half, gap) = two_walks(1 << 18, unit, 2).unwrap();
+            assert_eq!((half + gap) * 2 % PAGE, PAGE / 2, "unit {unit}");
+        }
+    }
+
+    /// The channels-last pass, streamed (the two walks, their gap and the rest) and not,
+    /// on every ISA: every element `((x − k0)·k1 + k2)` rounded as the kernel rounds
+    /// (each step in `f32`, then narrowed), bit for bit, into an output filled with
+    /// NaN first (an element no walk wrote stays NaN).
+    fn streamed_affine_is_exact<T: Element<Stat = f32>>() {
+        for c in [1, 3, 16, 64, 67, 256, 2048] {
+            for pixels in [0, 1, 33, 700, 2100] {
+                let n = pixels * c;
+                let g = Geometry::new(pixels, c, 1);
+                let x: Vec<T> = (0..n)
+                    .map(|i| T::narrow((i % 1013) as f32 * 0.37 - 150.0))
+                    .collect();
+                let k: [Vec<f32>; 3] = std::array::from_fn(|j| {
+                    (0..c)
+                        .map(|ch| (ch % 7) as f32 * 0.3 + j as f32 - 0.9)
+                        .collect()
+                });
+                let want: Vec<T> = x
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        let ch = i % c;
+                        T::narrow((v.widen() - k[0][ch]) * k[1][ch] + k[2][ch])
+                    })
+                    .collect();
+                let bits = |v: &[T]| v.iter().map(|e| e.widen().to_bits()).collect::<Vec<_>>();
+                for isa in Isa::supported() {
+                    for stream in [false, true] {
+                        // An offset a 16-bit output's pairs start off 32 bytes at
+                        // and one they start on: the walks need the latter.
+                        for skip in [0, 1] {
+                            let mut buf = vec![T::narrow(f32::NAN); n + 32];
+                            let at = buf.as_ptr().align_offset(64) + skip;
+                            let out = &mut buf[at..at + n];
+                            let pass = Elementwise {
+                                g: &g,
+                                row0: 0,
+                                ins: [&x[..]],
+                                out,
+                                consts: [&k[0][..], &k[1][..], &k[2][..]],
+                                stream,
+                                f: Affine,
+                            };
+                            f32::dispatch(isa, pass);
+                            assert_eq!(
+                                bits(&buf[at..at + n]),
+                                bits(&want),
+                                "{isa:?} C={c} pixels={pixels} stream={stream} skip={skip}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn streamed_channels_last_affine_is_exact_f32() {
+        streamed_affine_is_exact::<f32>();
+    }
+
+    #[test]
+    fn streamed_channels_last_affine_is_exact_bf16() {
+        streamed_affine_is_exact::<bf16>();
+    }
+
+    #[test]
+    fn streamed_channels_last_affine_is_exact_f16() {
+        streamed_affine_is_exact::<f16>();
+    }
 }
