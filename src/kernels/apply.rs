@@ -742,9 +742,9 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
 /// of each step come before its stores (see [`periodic_two`]), but with non-temporal
 /// stores queued behind DRAM the stores of the steps before are in flight too. On an
 /// AMD EPYC Zen 3 (AVX2, 2026-12-01) `perf` put two thirds of the bf16 loop's samples
-/// on its loads, and the C model (`scripts/models/two_streams.c`, time ÷ a memcpy):
-/// two walks a page multiple apart 1.25 (0.89 with whole lines a step), one walk 0.63,
-/// two walks 512, 1,024 or 2,048 bytes apart 0.64 / 0.65 / 0.63.
+/// on its loads, and the C model (`scripts/models/two_streams.c SKEW`, time ÷ a
+/// memcpy): two walks a page multiple apart 1.22 / 1.19 (4,096 bytes past one), 512,
+/// 1,024 or 2,048 bytes off one 0.63 / 0.62 / 0.63, one walk 0.62-0.67.
 fn two_walks(len: usize, unit: usize, size: usize) -> Option<(usize, usize)> {
     let unit_bytes = unit * size;
     let mut best: Option<(usize, usize, usize)> = None;
