@@ -83,10 +83,10 @@ fn reduction_rows(g: &Geometry) -> usize {
     ChannelMajorSplit::new(g).rows_per_task.max(1)
 }
 
-/// The outer-row ranges of one channel's reduction, [`reduction_rows`] each, in order:
-/// [`RowChunks::first`] (`0..0` when the channel has no rows), then the rest as an
-/// iterator. A resident pass reduces the first chunk and merges the others into it, so
-/// its result is the two-pass split's (whose tasks merge in the same order).
+/// The outer-row ranges of one channel's reduction after the first, [`reduction_rows`]
+/// each, in order ([`RowChunks::all`] gives the first too). A resident pass reduces the
+/// first chunk and merges the others into it ([`InOrder`]), so its result is the
+/// two-pass split's (whose tasks merge in the same order).
 struct RowChunks {
     next: usize,
     step: usize,
@@ -94,8 +94,9 @@ struct RowChunks {
 }
 
 impl RowChunks {
-    /// The first chunk, and the iterator over the others.
-    fn first(g: &Geometry) -> (Range<usize>, RowChunks) {
+    /// Every chunk in order: the first (`0..0` alone when the channel has no rows), then
+    /// the others.
+    fn all(g: &Geometry) -> impl Iterator<Item = Range<usize>> {
         let step = reduction_rows(g);
         let first = 0..step.min(g.outer);
         let rest = RowChunks {
@@ -103,7 +104,7 @@ impl RowChunks {
             step,
             outer: g.outer,
         };
-        (first, rest)
+        std::iter::once(first).chain(rest)
     }
 }
 
@@ -118,6 +119,36 @@ impl Iterator for RowChunks {
     }
 }
 
+/// The results of a channel's [`RowChunks`] merged in chunk order, the first taken as
+/// it is (not merged into an empty value: the same bits as the two-pass split's, -0
+/// included). One call site of the reduction a pass: the loop over
+/// [`RowChunks::all`] feeds it.
+struct InOrder<R>(Option<R>);
+
+impl<R> InOrder<R> {
+    /// Adds the next chunk's result.
+    #[inline(always)]
+    fn add(&mut self, next: R, merge: impl FnOnce(R, R) -> R) {
+        self.0 = Some(match self.0.take() {
+            Some(acc) => merge(acc, next),
+            None => next,
+        });
+    }
+
+    /// The merged result (`empty` before any chunk: not reached, as
+    /// [`RowChunks::all`] yields at least one).
+    #[inline(always)]
+    fn finish(self, empty: R) -> R {
+        self.0.unwrap_or(empty)
+    }
+}
+
+/// [`InOrder`]'s merge of backward sums: added in order.
+#[inline(always)]
+fn add_sums((sdy, sdx): (f64, f64), (a, b): (f64, f64)) -> (f64, f64) {
+    (sdy + a, sdx + b)
+}
+
 /// The moments of channel `c` of x by the row chunks of the two-pass split, merged in
 /// order (the same bits as the phases' `moments` and the two-pass path), with `pace`
 /// between tiles.
@@ -129,14 +160,14 @@ fn resident_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     c: usize,
     pace: &mut P,
 ) -> Moments {
-    let (first, rest) = RowChunks::first(g);
-    // One call site of the reduction (the first chunk is not merged, as before).
-    let mut m: Option<Moments> = None;
-    for r in std::iter::once(first).chain(rest) {
-        let next = stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace);
-        m = Some(m.map_or(next, |m| Moments::merge(m, next)));
+    let mut m = InOrder(None);
+    for r in RowChunks::all(g) {
+        m.add(
+            stats::channel_rows_paced(s, g, x, c, r.start, r.end, pace),
+            Moments::merge,
+        );
     }
-    m.unwrap_or(Moments::EMPTY)
+    m.finish(Moments::EMPTY)
 }
 
 /// [`resident_moments`] as a function of its own ([`Simd::outline`]).
@@ -476,15 +507,14 @@ fn resident_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     c: usize,
     pace: &mut P,
 ) -> (f64, f64) {
-    let (first, rest) = RowChunks::first(g);
-    // One call site of the reduction (the first chunk's sums are not added to zero:
-    // the same bits as before, -0 included).
-    let mut sums: Option<(f64, f64)> = None;
-    for r in std::iter::once(first).chain(rest) {
-        let (a, b) = backward::channel_rows_paced(s, g, data, mean[c], c, r, pace);
-        sums = Some(sums.map_or((a, b), |(sdy, sdx)| (sdy + a, sdx + b)));
+    let mut sums = InOrder(None);
+    for r in RowChunks::all(g) {
+        sums.add(
+            backward::channel_rows_paced(s, g, data, mean[c], c, r, pace),
+            add_sums,
+        );
     }
-    sums.unwrap_or((0.0, 0.0))
+    sums.finish((0.0, 0.0))
 }
 
 /// [`resident_sums`] as a function of its own ([`Simd::outline`]).
@@ -1225,14 +1255,14 @@ fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>>(
     pace: &mut P,
 ) -> (f64, f64) {
     let one = U::from_f64(1.0);
-    let (first, rest) = RowChunks::first(g);
-    // One call site of the reduction, as in `resident_sums`.
-    let mut sums: Option<(f64, f64)> = None;
-    for r in std::iter::once(first).chain(rest) {
-        let (a, b) = channel_rows_out(s, g, d, mean[c], one, c, r, sg, false, pace);
-        sums = Some(sums.map_or((a, b), |(sdy, sdx)| (sdy + a, sdx + b)));
+    let mut sums = InOrder(None);
+    for r in RowChunks::all(g) {
+        sums.add(
+            channel_rows_out(s, g, d, mean[c], one, c, r, sg, false, pace),
+            add_sums,
+        );
     }
-    sums.unwrap_or((0.0, 0.0))
+    sums.finish((0.0, 0.0))
 }
 
 /// [`side_sums`] as a function of its own ([`Simd::outline`]).
