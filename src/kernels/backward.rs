@@ -779,9 +779,10 @@ fn pixel_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const ST
     consts: &Reads<'_, U, 2>,
     a: &mut [S::V],
     b: &mut [S::V],
+    ahead: Option<usize>,
 ) {
     let total = w.vectors();
-    period_out::<U, S, T, N, STREAM>(s, w, 0, total, consts, a, b);
+    period_out::<U, S, T, N, STREAM>(s, w, 0, total, consts, a, b, ahead);
 }
 
 /// [`pixel_out`] in the ISA's pair order ([`Simd::pair_even_odd`]: AVX2 bf16, where a
@@ -804,6 +805,7 @@ fn pixel_out_pairs<
     consts: &Reads<'_, U, 2>,
     a: &mut [S::V],
     b: &mut [S::V],
+    ahead: Option<usize>,
 ) {
     let total = w.vectors();
     assert!(lead <= total && w.reads.lanes_of(s));
@@ -813,6 +815,9 @@ fn pixel_out_pairs<
     let pairs = (total - lead) / 2;
     for i in 0..pairs {
         let g = lead + 2 * i;
+        if let Some(ahead) = ahead {
+            w.reads.prefetch_ahead(s, g, ahead, 2 * S::LANES);
+        }
         let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
         // SAFETY: `g + 1 < lead + 2·pairs <= total`; lanes checked above.
         let (p, q) = unsafe { w.reads.load_pair_unchecked(s, g) };
@@ -882,6 +887,7 @@ impl PairLayout {
 /// Vectors `j0..j0 + m` of `w` against groups `0..m` of `consts` and of the sums `a`,
 /// `b` (one pixel, or one period of a rotated run): sums and `dx = dy·k1`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
     s: S,
     w: &mut Walk<'_, T, N>,
@@ -890,10 +896,14 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
     consts: &Reads<'_, U, 2>,
     a: &mut [S::V],
     b: &mut [S::V],
+    ahead: Option<usize>,
 ) {
     let (a, b) = (&mut a[..m], &mut b[..m]);
     for i in 0..m / 2 {
         let g = 2 * i;
+        if let Some(ahead) = ahead {
+            w.reads.prefetch_ahead(s, j0 + g, ahead, 2 * S::LANES);
+        }
         let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
         let d = fold(s, &w.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
         let e = fold(s, &w.load(s, j0 + g + 1), mw, &mut a[g + 1], &mut b[g + 1]);
@@ -997,11 +1007,15 @@ fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
             let mut j0 = 0;
             while j0 < total {
                 if let Some(ahead) = ahead {
-                    // From DRAM: every input prefetched ahead, one hint per line.
+                    // From DRAM: every input prefetched ahead, one hint per line, a
+                    // period at a time. (Spread over the period's pairs instead, as the
+                    // pixel walk does: within the noise, and f16 AVX-512 64x56x56x256
+                    // with dx 16 bytes off a line 0.94 -> 1.20 of a copy; Zen 4,
+                    // `scripts/ab.sh 3`, 2026-12-02.)
                     w.reads.prefetch_ahead(s, j0, ahead, per * l);
                 }
                 let m = per.min(total - j0);
-                period_out::<U, S, T, N, STREAM>(s, &mut w, j0, m, consts, a, b);
+                period_out::<U, S, T, N, STREAM>(s, &mut w, j0, m, consts, a, b, None);
                 j0 += m;
             }
         }
@@ -1275,28 +1289,32 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     }
                 }
                 Some((out, _)) => {
-                    if ahead_dx {
-                        // From DRAM: every input prefetched ahead, one hint per line.
-                        for x in &ins {
-                            s.prefetch_lines(x.as_ptr().wrapping_add(p0 + ahead), c);
-                        }
-                    }
+                    // From DRAM: every input prefetched ahead, one hint per line, spread
+                    // over the pixel's pairs of vectors (in its walk below). A burst of
+                    // a pixel's lines before its walk (eight a pixel and input at C =
+                    // 256 bf16) stalled on the core's misses in flight: `perf` put a
+                    // fifth of the pass's samples on that burst. Zen 4, `scripts/ab.sh
+                    // 3`, 64x112x112x64 / 64x56x56x256, time ÷ copy, burst -> spread:
+                    // bf16 AVX2 1.11 / 1.02 -> 0.93 / 0.96, AVX-512 0.99 / 0.95 -> 0.85
+                    // / 0.85; f16 AVX2 1.07 / 0.97 -> 0.88 / 0.87, AVX-512 0.96 / 0.92
+                    // -> 0.87 / 0.87; f32 0.80-0.89 -> 0.76-0.79.
+                    let pa = ahead_dx.then_some(ahead);
                     let o = &mut out[p0..p0 + c];
                     let (at, n) = {
                         let mut w = Walk::new(l, px, &mut *o);
                         let (ca, cb) = (&mut a[..], &mut b[..]);
                         match (pair_layout, stream_px && w.aligned()) {
                             (Some(p), true) => pixel_out_pairs::<U, S, T, N, true>(
-                                s, &mut w, p.lead, &consts, ca, cb,
+                                s, &mut w, p.lead, &consts, ca, cb, pa,
                             ),
                             (Some(p), false) => pixel_out_pairs::<U, S, T, N, false>(
-                                s, &mut w, p.lead, &consts, ca, cb,
+                                s, &mut w, p.lead, &consts, ca, cb, pa,
                             ),
                             (None, true) => {
-                                pixel_out::<U, S, T, N, true>(s, &mut w, &consts, ca, cb)
+                                pixel_out::<U, S, T, N, true>(s, &mut w, &consts, ca, cb, pa)
                             }
                             (None, false) => {
-                                pixel_out::<U, S, T, N, false>(s, &mut w, &consts, ca, cb)
+                                pixel_out::<U, S, T, N, false>(s, &mut w, &consts, ca, cb, pa)
                             }
                         }
                         w.tail()
