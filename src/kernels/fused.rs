@@ -260,9 +260,10 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     /// Writes the rows of `c` up to (not including) outer row `end`, each prefetching
     /// the row of the reduced channel `ahead` rows further (of each input it reads):
     /// the rows its next tile reads; and of an input it does not read (a side input),
-    /// the row of `c` the next write reads. Without the prefetch the reduction's demand loads
-    /// set the pace (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16 1.49
-    /// with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and 1.16).
+    /// the row of `c` the next write reads. Without the prefetch the reduction's demand
+    /// loads set the pace (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16
+    /// 1.49 with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and
+    /// 1.16).
     #[inline(always)]
     fn upto(&mut self, end: usize, ahead: usize) {
         let w = self.w;
@@ -296,8 +297,12 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
             // AVX-512 1.29 / 1.08 -> 1.00 / 1.02, AVX2 1.22 / 1.06 -> 0.98 / 1.01; f32
             // 1.01-1.03 -> 0.92-1.04 (the plain op in the same run: -0.14 to +0.05).
             let side_next = (self.reads < N && o + 1 < self.span.end).then(|| {
-                let o2 = write_order(&self.span, o + 1, reversed);
-                &self.ins[N - 1][(o2 * g.channels + self.c) * g.inner..][..g.inner]
+                row_of(
+                    g,
+                    self.ins,
+                    self.c,
+                    write_order(&self.span, o + 1, reversed),
+                )[N - 1]
             });
             let pf = [ahead_row(0), ahead_row(1).or(side_next)];
             let o = write_order(&self.span, o, reversed);
