@@ -470,6 +470,14 @@ impl ChannelMajorSplit {
             // 20, 4, so that the threads of a shared resident pass (`fused::cooperative`)
             // can take equal shares of a channel's chunks (and the two-pass tasks are
             // of equal size).
+            // Tried (2026-12-02, Zen 4, 1 MiB L2): half this TASK, so that the 800 KB
+            // channels of 64x256x56x56 (16-bit dy and x) split in two chunks and the
+            // threads share each one (half a channel a thread, two of them fit the L2)
+            // instead of taking whole ones. `scripts/ab.sh 3`, NCHW, time ÷ copy:
+            // backward training bf16 1.24 -> 1.13 (AVX2) and 1.24 -> 1.04 (AVX-512),
+            // but f16 1.12 -> 1.29 and 1.14 -> 1.23, and forward training 16-bit slower
+            // in all four cells (f16 AVX2 1.14 -> 1.41); f32 within 0.07. Not kept (it
+            // would also have changed the bits of every such channel-major reduction).
             let most = (TASK / g.inner.max(1)).max(1);
             let rows_per_task = g.outer.div_ceil(g.outer.div_ceil(most).max(1)).max(1);
             ChannelMajorSplit {

@@ -676,6 +676,18 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // thread, 5 rounds: 16x28x28x512 bf16 2.22 -> 1.24 ms; from DRAM, 2 threads,
     // 64x56x56x256 bf16 10.1 -> 5.5 ms), and in L2 it made no difference beyond the
     // noise (16x7x7x2048 and 16x14x14x1024, f32 and bf16).
+    // Tried (2026-12-02, Zen 4), not kept: (1) at least one quad ahead (4·C, further
+    // than PREFETCH_BYTES above C = 1024 in 16-bit and C = 512 in f32, where these
+    // hints fall in the quad being read): forward training of 16x7x7x2048 and
+    // 16x14x14x1024 (in cache) moved as much as the cell the change did not touch
+    // (bf16 16x14x14x1024), and the moments of 16x7x7x2048 f32 alone took 259-279 us
+    // with it, 226-298 without (three runs each). (2) The quads walked a block
+    // of four channel groups at a time over the whole tile, the sums in registers (the
+    // same values added in the same order: the same bits, checked): in cache the
+    // moments of 16x7x7x2048 f32 took 192 us against 203 with AVX-512 but 265 against
+    // 170 with AVX2, and from DRAM NHWC forward training went 1.47 -> 2.01 of a copy
+    // (bf16 AVX2 64x56x56x256), 1.30 -> 1.63 (bf16 AVX-512): the strided walks cost
+    // more than the accumulator stores they save.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those

@@ -481,6 +481,14 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
     fn prefetch<T>(self, _data: &[T]) {}
     /// Hints that the cache line at `p` will be read soon (into L2). A hint only: any
     /// address is allowed (nothing is read, nothing faults).
+    ///
+    /// Into L2 (`prefetcht1`), not L1 too: `prefetcht0` for every hint of both ISAs was
+    /// slower in 13 of 16 cells on a Zen 4 (2026-12-02, `scripts/ab.sh 3`, NHWC
+    /// forward and backward training, bf16 and f16, 64x56x56x256 and 64x112x112x64,
+    /// time ÷ copy: forward training bf16 AVX-512 64x56x56x256 1.28 -> 1.51, backward
+    /// training bf16 AVX-512 1.63 -> 1.86); the three faster cells (at most bf16 AVX2
+    /// forward training 64x112x112x64, 1.70 -> 1.41) by no more than a cell moves
+    /// between runs there.
     fn prefetch_ptr<T>(self, _p: *const T) {}
     /// [`Simd::prefetch_ptr`] for every 64-byte line of the `n` elements from `p`: one
     /// hint per line, not per vector. (A prefetch takes a load slot: one per 16-bit
