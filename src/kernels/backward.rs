@@ -744,7 +744,13 @@ pub(crate) enum Quads {
     /// vector and pixel (four per line of each input with AVX2) this path was 1.3–1.4×
     /// slower than `No` at 64x56x56x256 on a Zen 3 (bf16 9.5 against 12.2–13.3 ms,
     /// f16 10.0 against 13.1), and with one per line as fast (9.4 and 9.5 ms); at
-    /// 64x112x112x64 it stays 5 % ahead of `No` (8.27 against 8.69 ms).
+    /// 64x112x112x64 it stays 5 % ahead of `No` (8.27 against 8.69 ms). Tried on a Zen
+    /// 4 (2026-12-02, one trial build with environment switches, `scripts/ab.sh 3`,
+    /// NHWC backward training, bf16 and f16, 64x56x56x256 and 64x112x112x64, both
+    /// ISAs, time ÷ copy): these hints 4 KiB or 16 KiB ahead instead of 8, or as
+    /// `prefetchnta` or `prefetcht0`; none was below 8 KiB with `prefetcht1` in more
+    /// than 2 of the 8 cells, and `prefetchnta` was above it in all 8 (bf16 AVX-512
+    /// 64x56x56x256 1.49 -> 1.82).
     Prefetched,
 }
 
