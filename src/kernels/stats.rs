@@ -691,8 +691,9 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // the accumulators in the paired loop below (each quad's sums added in turn: the
     // same bits, checked): the moments of bf16 64x112x112x64 and 64x56x56x256 with AVX2
     // (in-process, AVX-512 and both variants interleaved, medians of 40, three runs)
-    // took 0-10 % less with two (−0.2 to −3 % when written as a loop over the quads),
-    // 5-19 % more with four: too little to show in the op against this machine's noise.
+    // took 2-10 % less with two written out (+0.7 to −3 % written as a loop over the
+    // quads), 5-19 % more with four: too little to show in the op against this
+    // machine's noise.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
