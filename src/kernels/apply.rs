@@ -830,6 +830,11 @@ fn periodic_body<
         // 1x64x64x64, f16 AVX2 0.026 -> 0.018 ms) but the ResNet-50 shapes moved both
         // ways (16x7x7x512 bf16 AVX2 forward inference 3.8 -> 3.1 of a copy,
         // 16x14x14x1024 f16 AVX-512 1.03 -> 1.21), too noisy to choose.
+        // Tried (2026-12-02, Zen 4), not kept: eight periods a block in cache, halving
+        // the constant loads again: `scripts/ab.sh 5`, NHWC 16x7x7x2048 and
+        // 16x14x14x1024, the four ops, f32 and bf16, both ISAs, moved cells both ways by
+        // up to 1.4 of a copy (forward inference f32 AVX2 16x7x7x2048 1.75 -> 2.67,
+        // forward training bf16 AVX-512 16x7x7x2048 7.63 -> 7.40).
         while j0 + 4 * per <= total {
             for i in 0..per / 2 {
                 let q = 2 * i;
