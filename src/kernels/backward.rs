@@ -1086,32 +1086,42 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
     a: &mut [S::V],
     b: &mut [S::V],
 ) {
-    let l = S::LANES;
-    let px = |k: usize| sub_n(ins, p0 + k * c, Some(c));
-    let (p0, p1, p2, p3) = (px(0), px(1), px(2), px(3));
-    let r = [
-        Reads::new(l, p0, c),
-        Reads::new(l, p1, c),
-        Reads::new(l, p2, c),
-        Reads::new(l, p3, c),
-    ];
+    let (l, start) = (S::LANES, p0);
     let (a, b) = (&mut a[..c.div_ceil(l)], &mut b[..c.div_ceil(l)]);
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
-    for g in 0..r[0].vectors() {
+    // The whole vectors through one pointer per input (pixel 0 of the quad), their
+    // ranges proved once, and no slice made for a quad without a partial vector: with
+    // a slice and a `Reads` per pixel the loop carried two bounds checks and three
+    // reloads from the stack a vector, and four slices and asserts a quad (see the
+    // tile flush in `pixel_sums` for the figures of both changes).
+    let whole = c / l;
+    assert!(whole <= a.len() && whole <= b.len());
+    assert!(consts.vectors() >= whole && consts.lanes_of(s));
+    let mut base = [std::ptr::null::<T>(); N];
+    for (p, i) in base.iter_mut().zip(ins) {
+        // Four whole pixels from `p0` (checked: the slice panics past the end).
+        *p = i[start..start + 4 * c].as_ptr();
+    }
+    for g in 0..whole {
         if PF {
             // The four pixels are contiguous in each input: the lines of four vectors'
             // worth from the first pixel, in memory order.
-            for i in &p0 {
-                s.prefetch_lines(i.as_ptr().wrapping_add(ahead + 4 * g * l), 4 * l);
+            for p in &base {
+                s.prefetch_lines(p.wrapping_add(ahead + 4 * g * l), 4 * l);
             }
         }
-        let [m, _] = consts.load(s, g);
-        let (v0, v1, v2, v3) = (
-            r[0].load(s, g),
-            r[1].load(s, g),
-            r[2].load(s, g),
-            r[3].load(s, g),
-        );
+        // SAFETY: `g < whole <= consts.vectors()`, lanes checked above.
+        let [m, _] = unsafe { consts.load_unchecked(s, g) };
+        // SAFETY: pixel `k < 4` of each input holds `c` elements from `k·c`, and
+        // `g·l + l <= whole·l <= c` (checked above).
+        let (v0, v1, v2, v3) = unsafe {
+            (
+                quad_vector(s, &base, g * l, m),
+                quad_vector(s, &base, c + g * l, m),
+                quad_vector(s, &base, 2 * c + g * l, m),
+                quad_vector(s, &base, 3 * c + g * l, m),
+            )
+        };
         let (d0, d1, d2, d3) = (
             grad_of(s, &v0),
             grad_of(s, &v1),
@@ -1125,20 +1135,41 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
         b[g] = s.add(b[g], sb);
     }
-    let (at, n) = r[0].tail();
+    let (at, n) = (whole * l, c - whole * l);
     if n > 0 {
         if PF {
             // The quad's last line(s), as in the statistics' four-pixel loop.
-            for i in &p0 {
-                s.prefetch_lines(i.as_ptr().wrapping_add(ahead + 4 * at), 4 * n);
+            for p in &base {
+                s.prefetch_lines(p.wrapping_add(ahead + 4 * at), 4 * n);
             }
         }
         let g = at / l;
         let [m, _] = consts.load(s, g);
-        for p in [&p0, &p1, &p2, &p3] {
-            (_, (a[g], b[g])) = sums_partial(s, p, at, n, m, (a[g], b[g]));
+        for k in 0..4 {
+            let p = sub_n(ins, start + k * c, Some(c));
+            (_, (a[g], b[g])) = sums_partial(s, &p, at, n, m, (a[g], b[g]));
         }
     }
+}
+
+/// The vector at element `at` of every input of `base` (`fill`: a value to build the
+/// array from, overwritten).
+///
+/// # Safety
+/// Every `base[i]` is valid for reads of `at + LANES` elements.
+#[inline(always)]
+unsafe fn quad_vector<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    base: &[*const T; N],
+    at: usize,
+    fill: S::V,
+) -> [S::V; N] {
+    let mut v = [fill; N];
+    for (v, p) in v.iter_mut().zip(base) {
+        // SAFETY: the caller's guarantee.
+        *v = unsafe { s.load_ptr(p.add(at)) };
+    }
+    v
 }
 
 /// [`PixelSums`] for one combination of inputs: `ins` = dy, x (and the mask).
@@ -1354,17 +1385,32 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         // (C = 256, a flush every 128 pixels; `perf annotate`, Zen 4).
         let (h, w) = periodic.as_ref().map_or((0, c), |p| (p.h, used * l));
         let (sd, sx) = (&mut sums.sum_dy[..c], &mut sums.sum_dy_xc[..c]);
-        let (mut j, mut ch) = ((w - h) % w, 0);
-        for _ in 0..w {
-            sd[ch] += la[j].to_f64();
-            sx[ch] += lb[j].to_f64();
-            j += 1;
-            if j == w {
-                j = 0;
+        if h == 0 && w == c {
+            // Lane j is channel j: the same additions as below, in a plain loop over
+            // the channels (no wrap tests). With the four-pixel loop's single base
+            // pointers (`sums_quad`), this took the 16-bit sums from DRAM from
+            // 1.31-1.50 of a plain read of dy and x to 1.07-1.24 with AVX2, 1.30-1.35
+            // to 1.10-1.24 with AVX-512 (Zen 4, NHWC 64x56x56x256 bf16, in process, 25
+            // interleaved rounds, medians, four runs; each change alone 1.21-1.34); a
+            // bare loop of the same walk took 1.09-1.15 (`scripts/models/sums_walks.c`
+            // has it in C).
+            for ((d, x), (u, v)) in sd.iter_mut().zip(sx.iter_mut()).zip(la.iter().zip(&*lb)) {
+                *d += u.to_f64();
+                *x += v.to_f64();
             }
-            ch += 1;
-            if ch == c {
-                ch = 0;
+        } else {
+            let (mut j, mut ch) = ((w - h) % w, 0);
+            for _ in 0..w {
+                sd[ch] += la[j].to_f64();
+                sx[ch] += lb[j].to_f64();
+                j += 1;
+                if j == w {
+                    j = 0;
+                }
+                ch += 1;
+                if ch == c {
+                    ch = 0;
+                }
             }
         }
         pc = periodic.or(pc);
