@@ -727,23 +727,37 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
         let eo = &eo[..];
         if paired > 0 {
+            // The pairs through the quad's first element and the pixel stride, their
+            // ranges proved once: with a `Reads` of four slices a quad, the loop kept
+            // four bounds checks and eight reloads from the stack a pair (AVX2 bf16,
+            // `perf annotate`), as the backward sums' four-pixel loop did (see
+            // `backward::sums_quad`).
+            assert!(paired.is_multiple_of(2) && eo.len() >= paired && paired * l <= c);
             for q in &mut blocks {
-                let r = Reads::new(l, [&q[..c], &q[c..2 * c], &q[2 * c..3 * c], &q[3 * c..]], c);
-                let pf = q.as_ptr().wrapping_add(ahead);
-                assert!(paired <= r.vectors() && r.lanes_of(s));
-                for g in (0..paired).step_by(2) {
-                    // SAFETY: `g + 1 < paired <= r.vectors()`, lanes checked above.
-                    let (e, o) = unsafe { r.load_pair_unchecked(s, g) };
-                    s.prefetch_lines(pf.wrapping_add(4 * g * l), 8 * l);
+                let (base, pf) = (q.as_ptr(), q.as_ptr().wrapping_add(ahead));
+                let (ap, bp) = (&mut a[..paired], &mut b[..paired]);
+                let pairs = ap.chunks_exact_mut(2).zip(bp.chunks_exact_mut(2));
+                for (i, ((ag, bg), pg)) in pairs.zip(eo.chunks_exact(2)).enumerate() {
+                    let at = 2 * i * l;
+                    // SAFETY: `q` is four pixels of `c` elements and `at + 2·l <=
+                    // paired·l <= c` (checked above): each pair lies in its pixel.
+                    let (e, o) = unsafe {
+                        let (e0, o0) = s.load_pair_ptr(base.add(at));
+                        let (e1, o1) = s.load_pair_ptr(base.add(c + at));
+                        let (e2, o2) = s.load_pair_ptr(base.add(2 * c + at));
+                        let (e3, o3) = s.load_pair_ptr(base.add(3 * c + at));
+                        ([e0, e1, e2, e3], [o0, o1, o2, o3])
+                    };
+                    s.prefetch_lines(pf.wrapping_add(4 * at), 8 * l);
                     for (k, x) in [e, o].into_iter().enumerate() {
-                        let p = eo[g + k];
+                        let p = pg[k];
                         let [x0, x1, x2, x3] = x;
                         let (d0, d1, d2, d3) =
                             (s.sub(x0, p), s.sub(x1, p), s.sub(x2, p), s.sub(x3, p));
                         let sq = s.mul_add(d1, d1, s.mul(d0, d0));
                         let sq = s.mul_add(d3, d3, s.mul_add(d2, d2, sq));
-                        a[g + k] = s.add(a[g + k], s.add(s.add(d0, d1), s.add(d2, d3)));
-                        b[g + k] = s.add(b[g + k], sq);
+                        ag[k] = s.add(ag[k], s.add(s.add(d0, d1), s.add(d2, d3)));
+                        bg[k] = s.add(bg[k], sq);
                     }
                 }
                 quad_rest(s, q, c, paired, pivot, pf, a, b);
