@@ -115,6 +115,36 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
     check_all(cases, 16);
 }
 
+/// The channels-last gradient sums walk four pixels at a time (accumulators updated
+/// once per four vectors, prefetched for 16-bit tensors past 16 MiB), through one
+/// pointer per input, with a partial last vector summed apart. The training and
+/// inference gradients at about a million elements per channel, far from zero, bf16
+/// (84 and 151 MB a tensor: the prefetched walk), C = 40 (five whole AVX2 vectors; two
+/// and a tail with AVX-512) and C = 72 (nine; four and a tail), on every ISA this CPU
+/// has.
+#[test]
+fn channels_last_gradient_sums_of_four_pixels_on_every_isa() {
+    let mut cases = Vec::new();
+    for c in [40, 72] {
+        for isa in fusedbn::Isa::supported() {
+            for training in [true, false] {
+                let case = Case::new(
+                    Op::FusedBatchNormGradV3,
+                    DataFormat::Nhwc,
+                    &[1, 1023, 1027, c],
+                    DType::BF16,
+                )
+                .expect("valid case")
+                .training(training)
+                .fill(far(DType::BF16))
+                .isa(isa);
+                cases.push(case);
+            }
+        }
+    }
+    check_all(cases, 8);
+}
+
 /// Channels-last outputs that are streamed (past 16 MiB and half the last-level cache,
 /// counted as at most 96 MiB: 48 MiB of output streams on every machine) are written by
 /// two sequential streams a thread where a vector is under a line (16-bit types on

@@ -46,8 +46,9 @@ static void sums(size_t p0, size_t p1, int step, int pf, float *out) {
         for (int g = 0; g < G; g++) {
             if (pf && (g * 8 * step * 2) % 64 == 0) {
                 // The lines of `step` vectors' worth of the block, in memory order.
-                size_t at = AHEAD + (size_t)g * 8 * step, n = 64 / 2 > 8 * step ? 32 : 8 * step;
-                pf_lines(d + at, n); pf_lines(x + at, n);
+                // One line (32 elements) of each input per 64 bytes of the block.
+                size_t at = AHEAD + (size_t)g * 8 * step;
+                pf_lines(d + at, 32); pf_lines(x + at, 32);
             }
             __m256 m = _mm256_loadu_ps(mean + g * 8), sa = _mm256_setzero_ps(), sb = sa;
             for (int k = 0; k < step; k++) {

@@ -1116,10 +1116,10 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         // `g·l + l <= whole·l <= c` (checked above).
         let (v0, v1, v2, v3) = unsafe {
             (
-                quad_vector(s, &base, g * l, m),
-                quad_vector(s, &base, c + g * l, m),
-                quad_vector(s, &base, 2 * c + g * l, m),
-                quad_vector(s, &base, 3 * c + g * l, m),
+                quad_vector(s, &base, g * l),
+                quad_vector(s, &base, c + g * l),
+                quad_vector(s, &base, 2 * c + g * l),
+                quad_vector(s, &base, 3 * c + g * l),
             )
         };
         let (d0, d1, d2, d3) = (
@@ -1152,8 +1152,7 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
     }
 }
 
-/// The vector at element `at` of every input of `base` (`fill`: a value to build the
-/// array from, overwritten).
+/// The vector at element `at` of every input of `base`.
 ///
 /// # Safety
 /// Every `base[i]` is valid for reads of `at + LANES` elements.
@@ -1162,9 +1161,8 @@ unsafe fn quad_vector<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>
     s: S,
     base: &[*const T; N],
     at: usize,
-    fill: S::V,
 ) -> [S::V; N] {
-    let mut v = [fill; N];
+    let mut v = [s.splat(U::ZERO); N];
     for (v, p) in v.iter_mut().zip(base) {
         // SAFETY: the caller's guarantee.
         *v = unsafe { s.load_ptr(p.add(at)) };
