@@ -818,23 +818,117 @@ fn pixel_out_pairs<
     if lead == 1 {
         single_out::<U, S, T, N, STREAM>(s, w, 0, consts, a, b);
     }
-    let pairs = (total - lead) / 2;
-    for i in 0..pairs {
-        let g = lead + 2 * i;
-        if let Some(ahead) = ahead {
-            w.reads.prefetch_ahead(s, g, ahead, 2 * S::LANES);
+    let (l, pairs) = (S::LANES, (total - lead) / 2);
+    let end = lead + 2 * pairs;
+    // The pairs through one pointer per input, output and constant, their ranges proved
+    // here once (see `pairs_out`).
+    assert!(end <= a.len() && end <= b.len());
+    assert!(consts.vectors() >= end && consts.lanes_of(s));
+    let (ins, out, k) = (w.reads.base(), w.out_base(), consts.base());
+    let sums = (a.as_mut_ptr(), b.as_mut_ptr());
+    // Every pair one whole streamed store where the first is so aligned (the pairs are
+    // contiguous); otherwise `Simd::stream_pair_ptr` tests each.
+    let align = s.cl_stream_align::<T>() * std::mem::size_of::<T>();
+    let whole = STREAM && (out.wrapping_add(lead * l) as usize).is_multiple_of(align);
+    // SAFETY: `end <= total`, so every pair's `2·LANES` elements lie within the walk's
+    // inputs and output; `end` is within the sums and the constants (asserted above);
+    // `whole` is tested just above.
+    unsafe {
+        match (whole, s.plain_nans_const::<T>()) {
+            (true, Some(c)) => {
+                pairs_out::<U, S, T, N, STREAM, true>(c, ins, out, k, sums, lead, pairs, ahead)
+            }
+            (true, None) => {
+                pairs_out::<U, S, T, N, STREAM, true>(s, ins, out, k, sums, lead, pairs, ahead)
+            }
+            (false, Some(c)) => {
+                pairs_out::<U, S, T, N, STREAM, false>(c, ins, out, k, sums, lead, pairs, ahead)
+            }
+            (false, None) => {
+                pairs_out::<U, S, T, N, STREAM, false>(s, ins, out, k, sums, lead, pairs, ahead)
+            }
         }
-        let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
-        // SAFETY: `g + 1 < lead + 2·pairs <= total`; lanes checked above.
-        let (p, q) = unsafe { w.reads.load_pair_unchecked(s, g) };
-        let d = fold(s, &p, mv, &mut a[g], &mut b[g]);
-        let e = fold(s, &q, mw, &mut a[g + 1], &mut b[g + 1]);
-        // SAFETY: as the load; streamed only where `w` is aligned (the caller's test).
-        unsafe { w.store_pair_unchecked::<S, STREAM>(s, g, s.mul(d, kv), s.mul(e, kw)) };
     }
-    if lead + 2 * pairs < total {
+    if end < total {
         single_out::<U, S, T, N, STREAM>(s, w, total - 1, consts, a, b);
     }
+}
+
+/// The `pairs` pairs of [`pixel_out_pairs`] from vector `lead`: sums into `a`, `b` and
+/// `dx = dy·k1`, each pair streamed with one whole store with `WHOLE`. Through one
+/// pointer per input, output and constant: with the `Walk`, `Reads` and slices per
+/// pair, the loop (AVX2 bf16) carried three bounds checks, four reloads from the stack,
+/// a test of the NaN flag and one of the output's alignment a pair (`perf annotate`,
+/// Zen 4).
+///
+/// # Safety
+/// Each of `ins` and `out` holds `(lead + 2·pairs)·LANES` elements (readable, and
+/// writable for `out`), as do both constants of `k`; `a` and `b` hold `lead + 2·pairs`
+/// vectors; with `STREAM` the output is vector-aligned, and with `WHOLE` vector `lead`
+/// starts at a multiple of [`Simd::cl_stream_align`] elements.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pairs_out<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const N: usize,
+    const STREAM: bool,
+    const WHOLE: bool,
+>(
+    s: S,
+    ins: [*const T; N],
+    out: *mut T,
+    [mp, kp]: [*const U; 2],
+    (a, b): (*mut S::V, *mut S::V),
+    lead: usize,
+    pairs: usize,
+    ahead: Option<usize>,
+) {
+    let l = S::LANES;
+    for i in 0..pairs {
+        let g = lead + 2 * i;
+        let at = g * l;
+        if let Some(ahead) = ahead {
+            for p in &ins {
+                s.prefetch_lines(p.wrapping_add(at + ahead), 2 * l);
+            }
+        }
+        // SAFETY: `g + 1 < lead + 2·pairs`, within every range of the caller's guarantee.
+        unsafe {
+            let (mv, mw) = (s.load_ptr(mp.add(at)), s.load_ptr(mp.add(at + l)));
+            let (kv, kw) = (s.load_ptr(kp.add(at)), s.load_ptr(kp.add(at + l)));
+            let (p, q) = pairs_at(s, &ins, at);
+            let d = fold(s, &p, mv, &mut *a.add(g), &mut *b.add(g));
+            let e = fold(s, &q, mw, &mut *a.add(g + 1), &mut *b.add(g + 1));
+            let (d, e, o) = (s.mul(d, kv), s.mul(e, kw), out.add(at));
+            match (STREAM, WHOLE) {
+                (true, true) => s.stream_pair_cl_whole_ptr(o, d, e),
+                (true, false) => s.stream_pair_ptr(o, d, e),
+                _ => s.store_pair_ptr(o, d, e),
+            }
+        }
+    }
+}
+
+/// The pair at element `at` of every input of `base`, in the order of
+/// [`Simd::pair_even_odd`].
+///
+/// # Safety
+/// Every `base[i]` is valid for reads of `at + 2·LANES` elements.
+#[inline(always)]
+unsafe fn pairs_at<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    base: &[*const T; N],
+    at: usize,
+) -> ([S::V; N], [S::V; N]) {
+    let zero = s.splat(U::ZERO);
+    let (mut a, mut b) = ([zero; N], [zero; N]);
+    for ((a, b), p) in a.iter_mut().zip(b.iter_mut()).zip(base) {
+        // SAFETY: the caller's guarantee.
+        (*a, *b) = unsafe { s.load_pair_ptr(p.add(at)) };
+    }
+    (a, b)
 }
 
 /// Vector `g` of `w` alone, in memory order: sums into `a[g]`, `b[g]` and `dx = dy·k1`.
@@ -904,22 +998,70 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
     b: &mut [S::V],
     ahead: Option<usize>,
 ) {
-    let (a, b) = (&mut a[..m], &mut b[..m]);
-    for i in 0..m / 2 {
-        let g = 2 * i;
-        if let Some(ahead) = ahead {
-            w.reads.prefetch_ahead(s, j0 + g, ahead, 2 * S::LANES);
+    let l = S::LANES;
+    // Through one pointer per input, output and constant, their ranges proved here
+    // once (as `pairs_out`: with the `Walk` and slices the loop carried two bounds
+    // checks and a reload from the stack a pair, AVX-512 bf16).
+    assert!(m <= a.len() && m <= b.len() && j0 + m <= w.vectors());
+    assert!(consts.vectors() >= m && consts.lanes_of(s) && w.reads.lanes_of(s));
+    let (ins, out, [mp, kp]) = (w.reads.base(), w.out_base(), consts.base());
+    let (a, b) = (a.as_mut_ptr(), b.as_mut_ptr());
+    let (ins, out) = (
+        ins.map(|p| p.wrapping_add(j0 * l)),
+        out.wrapping_add(j0 * l),
+    );
+    // SAFETY: vectors `j0..j0 + m` lie within the walk's inputs and output, groups
+    // `0..m` within the constants and the sums (asserted above); with `STREAM` the
+    // output is vector-aligned (the caller's test), which the streamed stores need.
+    unsafe {
+        for i in 0..m / 2 {
+            let g = 2 * i;
+            let at = g * l;
+            if let Some(ahead) = ahead {
+                for p in &ins {
+                    s.prefetch_lines(p.wrapping_add(at + ahead), 2 * l);
+                }
+            }
+            let (mv, mw) = (s.load_ptr(mp.add(at)), s.load_ptr(mp.add(at + l)));
+            let (kv, kw) = (s.load_ptr(kp.add(at)), s.load_ptr(kp.add(at + l)));
+            let d = fold(
+                s,
+                &vectors_at(s, &ins, at),
+                mv,
+                &mut *a.add(g),
+                &mut *b.add(g),
+            );
+            let e = fold(
+                s,
+                &vectors_at(s, &ins, at + l),
+                mw,
+                &mut *a.add(g + 1),
+                &mut *b.add(g + 1),
+            );
+            let (d, e, o) = (s.mul(d, kv), s.mul(e, kw), out.add(at));
+            if STREAM {
+                s.stream2_ptr(o, d, e);
+            } else {
+                s.store2_ptr(o, d, e);
+            }
         }
-        let ([mv, kv], [mw, kw]) = (consts.load(s, g), consts.load(s, g + 1));
-        let d = fold(s, &w.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
-        let e = fold(s, &w.load(s, j0 + g + 1), mw, &mut a[g + 1], &mut b[g + 1]);
-        w.store2::<S, STREAM>(s, j0 + g, s.mul(d, kv), s.mul(e, kw));
-    }
-    if m % 2 == 1 {
-        let g = m - 1;
-        let [mv, kv] = consts.load(s, g);
-        let d = fold(s, &w.load(s, j0 + g), mv, &mut a[g], &mut b[g]);
-        w.store::<S, STREAM>(s, j0 + g, s.mul(d, kv));
+        if m % 2 == 1 {
+            let (g, at) = (m - 1, (m - 1) * l);
+            let (mv, kv) = (s.load_ptr(mp.add(at)), s.load_ptr(kp.add(at)));
+            let d = fold(
+                s,
+                &vectors_at(s, &ins, at),
+                mv,
+                &mut *a.add(g),
+                &mut *b.add(g),
+            );
+            let (d, o) = (s.mul(d, kv), out.add(at));
+            if STREAM {
+                s.stream_ptr(o, d);
+            } else {
+                s.store_ptr(o, d);
+            }
+        }
     }
 }
 
@@ -1116,10 +1258,10 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         // `g·l + l <= whole·l <= c` (checked above).
         let (v0, v1, v2, v3) = unsafe {
             (
-                quad_vector(s, &base, g * l),
-                quad_vector(s, &base, c + g * l),
-                quad_vector(s, &base, 2 * c + g * l),
-                quad_vector(s, &base, 3 * c + g * l),
+                vectors_at(s, &base, g * l),
+                vectors_at(s, &base, c + g * l),
+                vectors_at(s, &base, 2 * c + g * l),
+                vectors_at(s, &base, 3 * c + g * l),
             )
         };
         let (d0, d1, d2, d3) = (
@@ -1157,7 +1299,7 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
 /// # Safety
 /// Every `base[i]` is valid for reads of `at + LANES` elements.
 #[inline(always)]
-unsafe fn quad_vector<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+unsafe fn vectors_at<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     s: S,
     base: &[*const T; N],
     at: usize,

@@ -595,6 +595,14 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
         self.vectors
     }
 
+    /// The first element of every input: for hot loops that keep these pointers in
+    /// registers and prove their ranges once (each input holds at least
+    /// `vectors()·lanes` elements from it).
+    #[inline(always)]
+    pub fn base(&self) -> [*const T; N] {
+        self.ins
+    }
+
     /// Hints that the `n` elements of every input from element `j·lanes + ahead` will
     /// be read soon: one prefetch per 64-byte line ([`Simd::prefetch_lines`]). Any `j`
     /// and `ahead` are allowed (past the end, nothing is read and nothing faults).
@@ -717,6 +725,13 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     #[inline(always)]
     pub fn vectors(&self) -> usize {
         self.reads.vectors
+    }
+
+    /// The output's first element, for hot loops as [`Reads::base`] (`vectors()·lanes`
+    /// writable elements from it, borrowed mutably for the life of `self`).
+    #[inline(always)]
+    pub fn out_base(&mut self) -> *mut T {
+        self.out
     }
 
     /// Whether the output is aligned to whole vectors (so it may be streamed).
