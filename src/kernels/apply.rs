@@ -393,7 +393,7 @@ fn splat_arms<U, S, T, F, const N: usize, const K: usize>(
 /// f16 forward inference 64x112x112x64 0.860 -> 0.942), so a pair keeps its hint.
 /// On a Zen 4 (2026-12-02, a trial build without the second hint, `scripts/ab.sh 5`,
 /// NCHW f32 64x256x56x56, 64x64x112x112 and 16x112x112x64, forward and backward
-/// training, both ISAs) 8 of 12 cells were higher without it (backward training AVX2
+/// training, both ISAs) 9 of 12 cells were higher without it (backward training AVX2
 /// 16x112x112x64 1.148 -> 1.216), the rest lower by at most 0.05: kept on both.
 const fn half_line_hints<T>() -> bool {
     size_of::<T>() == 4
