@@ -697,6 +697,9 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // between interleaved calls, 200 each, six NHWC shapes, f32 and bf16, both ISAs):
     // 0.95-1.03 of the time with them in 18 of 24 cells, 1.09-1.26 at 16x28x28x128 f32,
     // 16x28x28x512 bf16 and 16x14x14x1024 f32 (AVX2), 1.9-2.1 at 16x56x56x256 bf16.
+    // (5) These hints 16 KiB ahead instead of 8 (a trial build, `scripts/ab.sh 5`, NHWC
+    // forward training bf16 and f16, 64x56x56x256 and 64x112x112x64, both ISAs): four
+    // of eight cells lower by at most 0.05 of a copy, four higher by up to 0.19.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
