@@ -117,7 +117,9 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
 
 /// The channels-last gradient sums walk four pixels at a time (accumulators updated
 /// once per four vectors, prefetched for 16-bit tensors past 16 MiB), through one
-/// pointer per input, with a partial last vector summed apart. The training and
+/// pointer per input, with a partial last vector summed apart; the inference gradient
+/// sums pixel by pixel as it streams `dx` (`backward::pairs_out` with AVX2 bf16, whose
+/// pairs fall on and off 32 bytes at these C, `period_out` otherwise). The training and
 /// inference gradients at about a million elements per channel, far from zero, bf16
 /// (84 and 151 MB a tensor: the prefetched walk), C = 40 (five whole AVX2 vectors; two
 /// and a tail with AVX-512) and C = 72 (nine; four and a tail), on every ISA this CPU

@@ -6,7 +6,9 @@
 //! TensorFlow) and accurate when |μ| ≫ std.
 
 use super::apply::{elementwise, head_len, VectorFn, STREAM_AHEAD_BYTES};
-use super::simd::{load_partial_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk, MAX_LANES};
+use super::simd::{
+    load_partial_n, prefetch_each, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk, MAX_LANES,
+};
 use super::{
     channel_tiles, pixels_per_tile, scratch, short_period, ChannelMajorSplit, ChannelTask,
     Geometry, NoPace, Pace, PixelSplit, Scratch, PREFETCH_BYTES, STREAM_BYTES,
@@ -890,9 +892,7 @@ unsafe fn pairs_out<
         let g = lead + 2 * i;
         let at = g * l;
         if let Some(ahead) = ahead {
-            for p in &ins {
-                s.prefetch_lines(p.wrapping_add(at + ahead), 2 * l);
-            }
+            prefetch_each(s, &ins, at + ahead, 2 * l);
         }
         // SAFETY: `g + 1 < lead + 2·pairs`, within every range of the caller's guarantee.
         unsafe {
@@ -1018,9 +1018,7 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
             let g = 2 * i;
             let at = g * l;
             if let Some(ahead) = ahead {
-                for p in &ins {
-                    s.prefetch_lines(p.wrapping_add(at + ahead), 2 * l);
-                }
+                prefetch_each(s, &ins, at + ahead, 2 * l);
             }
             let (mv, mw) = (s.load_ptr(mp.add(at)), s.load_ptr(mp.add(at + l)));
             let (kv, kw) = (s.load_ptr(kp.add(at)), s.load_ptr(kp.add(at + l)));
@@ -1248,9 +1246,7 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         if PF {
             // The four pixels are contiguous in each input: the lines of four vectors'
             // worth from the first pixel, in memory order.
-            for p in &base {
-                s.prefetch_lines(p.wrapping_add(ahead + 4 * g * l), 4 * l);
-            }
+            prefetch_each(s, &base, ahead + 4 * g * l, 4 * l);
         }
         // SAFETY: `g < whole <= consts.vectors()`, lanes checked above.
         let [m, _] = unsafe { consts.load_unchecked(s, g) };
@@ -1281,9 +1277,7 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
     if n > 0 {
         if PF {
             // The quad's last line(s), as in the statistics' four-pixel loop.
-            for p in &base {
-                s.prefetch_lines(p.wrapping_add(ahead + 4 * at), 4 * n);
-            }
+            prefetch_each(s, &base, ahead + 4 * at, 4 * n);
         }
         let g = at / l;
         let [m, _] = consts.load(s, g);

@@ -557,6 +557,23 @@ pub(crate) fn load_partial_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N:
 /// `for j in 0..r.vectors()` carries no per-load check and no pointer reloads. What is
 /// left after the whole vectors (fewer than `LANES` elements) is [`Reads::tail`], for the
 /// masked partial loads.
+/// Hints that the `n` elements from element `at` of every input of `ptrs` will be read
+/// soon: one prefetch per 64-byte line ([`Simd::prefetch_lines`]). Any `at` is allowed
+/// (past the end, nothing is read and nothing faults). For hot loops that keep their
+/// input pointers in registers ([`Reads::base`]); [`Reads::prefetch_ahead`] is this
+/// through a `Reads`.
+#[inline(always)]
+pub(crate) fn prefetch_each<U, S: Simd<U>, T, const N: usize>(
+    s: S,
+    ptrs: &[*const T; N],
+    at: usize,
+    n: usize,
+) {
+    for p in ptrs {
+        s.prefetch_lines(p.wrapping_add(at), n);
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct Reads<'a, T, const N: usize> {
     ins: [*const T; N],
@@ -608,9 +625,7 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
     /// and `ahead` are allowed (past the end, nothing is read and nothing faults).
     #[inline(always)]
     pub fn prefetch_ahead<S: Simd<T::Stat>>(&self, s: S, j: usize, ahead: usize, n: usize) {
-        for p in &self.ins {
-            s.prefetch_lines(p.wrapping_add(j * self.lanes + ahead), n);
-        }
+        prefetch_each(s, &self.ins, j * self.lanes + ahead, n);
     }
 
     /// Whether `S`'s vectors are the `lanes` of [`Reads::new`] (the precondition of the
