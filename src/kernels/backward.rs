@@ -859,7 +859,7 @@ fn pixel_out_pairs<
 /// The `pairs` pairs of [`pixel_out_pairs`] from vector `lead`: sums into `a`, `b` and
 /// `dx = dy·k1`, each pair streamed with one whole store with `WHOLE`. Through one
 /// pointer per input, output and constant: with the `Walk`, `Reads` and slices per
-/// pair, the loop (AVX2 bf16) carried three bounds checks, four reloads from the stack,
+/// pair, the loop (AVX2 bf16) carried four bounds checks, three reloads from the stack,
 /// a test of the NaN flag and one of the output's alignment a pair (`perf annotate`,
 /// Zen 4).
 ///
