@@ -700,6 +700,12 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // (5) These hints 16 KiB ahead instead of 8 (a trial build, `scripts/ab.sh 5`, NHWC
     // forward training bf16 and f16, 64x56x56x256 and 64x112x112x64, both ISAs): four
     // of eight cells lower by at most 0.05 of a copy, four higher by up to 0.19.
+    // (6) On a Zen 3 (2026-12-02, bf16 64x56x56x256 `moments` ÷ a read, interleaved in
+    // one process): 4, 12, 16, 24 and 32 KiB ahead, prefetcht0, and one pixel at a
+    // time all within the noise; at C = 512 and 1024, where these statistics take
+    // 1.4-1.8 of a read (C = 64: 0.8-1.0), distances up to 32 KiB changed nothing.
+    // (7) Two of the adds of each vector of the pair loop below as `fma(d, 1, e)` (the
+    // same bits), to unload the add ports: slower, one thread in L2, 15.0 -> 16.0 us (medians of three runs).
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
