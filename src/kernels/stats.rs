@@ -1306,7 +1306,7 @@ mod tests {
             let k = (t * 7919 + ch * 104_729) % 1000;
             let count = if ch == 5 {
                 0.0
-            } else if ch % 11 == 0 {
+            } else if ch.is_multiple_of(11) {
                 (3 + k % 5) as f64
             } else {
                 64.0
