@@ -714,7 +714,8 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // time all within the noise; at C = 512 and 1024, where these statistics take
     // 1.4-1.8 of a read (C = 64: 0.8-1.0), distances up to 32 KiB changed nothing.
     // (7) Two of the adds of each vector of the pair loop below as `fma(d, 1, e)` (the
-    // same bits), to unload the add ports: slower, one thread in L2, 15.0 -> 16.0 us (medians of three runs).
+    // same bits), to unload the add ports: slower, one thread in L2 (NHWC 1x16x32x256
+    // bf16), 15.0 -> 16.0 us (medians of three runs).
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
@@ -1290,9 +1291,6 @@ mod tests {
         }
     }
 
-    /// `merge_into` is `merge`, element by element, bit for bit: on the fast path (equal
-    /// counts, finite means) and on every fallback (a count that differs, an empty
-    /// side, an infinite or NaN mean).
     /// The final merge of the channels-last statistics gives the bits of a plain fold
     /// of `Moments::merge` over the tasks (from the first task's moments, as
     /// `channels_last` starts), whether its channel blocks are shared by
@@ -1335,6 +1333,9 @@ mod tests {
         }
     }
 
+    /// `merge_into` is `merge`, element by element, bit for bit: on the fast path (equal
+    /// counts, finite means) and on every fallback (a count that differs, an empty
+    /// side, an infinite or NaN mean).
     #[test]
     fn merge_into_is_merge_bit_for_bit() {
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
