@@ -354,7 +354,13 @@ impl Problem {
         let sums = second_order::reduce(g, isa, ins, [mean, kg, ka]);
         let u = T::Stat::from_f64;
         // On the stack for up to 64 channels (a heap allocation per call otherwise),
-        // written through a slice (pushes were a tenth of a 1x1x1x32 call).
+        // written through a slice (pushes were a tenth of a 1x1x1x32 call). The
+        // formulas below, with their eight divisions and a square root a channel, were
+        // 8.6 % of the samples of NCHW 2x8x8x32 bf16 second-order training (perf, Zen
+        // 3). Tried (2026-12-02): four channels at a time, inputs gathered into
+        // lanes and the formulas over fixed-length arrays (packed divisions, the same
+        // bits): all 12 second-order 2x8x8x32 cells slower (`scripts/ab.sh 7`, e.g.
+        // NCHW bf16 training 8.50 -> 8.73 us on a loaded machine). Not kept.
         let mut k_buf: Scratch<SecondOrderCoeffs<T::Stat>, 64> = scratch(Default::default(), c);
         let k = &mut k_buf[..];
         for (ch, kc) in k.iter_mut().enumerate() {
