@@ -507,8 +507,8 @@ fn streamed_outputs_match_reference_and_ignore_alignment() {
 /// machine.
 ///
 /// Four tests, one a dtype and layout, so that the test harness runs them side by
-/// side: as one test, its seven cases took 150 s on one thread (Zen 3, AVX2, release,
-/// `cargo nextest`), the longest test of the workspace by far.
+/// side: as one test, its seven cases ran one after another for 150 s (Zen 3, AVX2,
+/// release, `cargo nextest`), the longest test of the workspace by far.
 #[test]
 fn streamed_16bit_outputs_channels_last_bf16() {
     use half::bf16;
