@@ -149,8 +149,8 @@ fn channels_last_gradient_sums_of_four_pixels_on_every_isa() {
 
 /// Channels-last outputs that are streamed (past 16 MiB and half the last-level cache,
 /// counted as at most 96 MiB: 48 MiB of output streams on every machine) are written by
-/// two sequential streams a thread where a vector is under a line (16-bit types on
-/// every SIMD ISA, f32 with AVX2): each task's two halves in lockstep, then what is
+/// two sequential streams a thread (every dtype on every SIMD ISA, f32 with AVX-512
+/// since 2026-12-03): each task's two halves in lockstep, then what is
 /// left. Every elementwise output pass on that path (forward, forward with a side input
 /// and Relu, the gradient's `x_backprop`) against the reference, with C = 1000 (with
 /// AVX-512 and 16-bit types an odd number of vectors a period) and C = 67 (tails, a

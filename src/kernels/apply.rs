@@ -647,7 +647,7 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let (ins, mut out) = (sub_n(&ins, head, None), &mut out[head..]);
     let consts = Reads::new(l, values, pattern.period);
     let singles = Reads::new(l, single, pattern.period);
-    // Streamed from DRAM with vectors under a line and at most two inputs: two walks of
+    // Streamed from DRAM with at most two inputs: two walks of
     // nearly half the run each in lockstep (see `periodic_two`), a gap of a few units
     // apart (`two_walks`), the gap and the rest as below. Each walk is a whole number of
     // periods and of lines, so the second starts at the pattern's phase 0 and on a
@@ -665,7 +665,12 @@ fn periodic<U, S, T, F, const N: usize, const K: usize>(
     let whole_at = whole_bytes::<U, S, T>(s);
     let even = consts.vectors().is_multiple_of(2);
     let whole = even && (out.as_ptr() as usize).is_multiple_of(whole_at);
-    let two = S::HINTS && stream && whole && l * size_of::<T>() < 64 && N <= 2;
+    // Every vector width: f32 with AVX-512 (a vector a line) had kept one walk, which
+    // was as fast on the Intel Xeon of 2026-11-29, but on a Sapphire Rapids-class Xeon
+    // (2026-12-03, 105 MiB L3) one walk took NHWC f32 forward inference to 0.82-0.92 of
+    // a copy where AVX2's two walks took 0.64-0.71 (`scripts/ab.sh 3`; with two walks
+    // AVX-512 0.67-0.70, forward training 1.43-1.58 -> 1.18-1.24).
+    let two = S::HINTS && stream && whole && N <= 2;
     // The two walks: `[0, half)` and `[half + gap, 2·half + gap)`; the gap between
     // them and the rest after them go through the single walk below.
     let (half, gap) = match two.then(|| two_walks(out.len(), unit, size_of::<T>())) {
