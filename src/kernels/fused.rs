@@ -32,8 +32,8 @@ use super::backward::{
 use super::simd::{splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, merge_channel_results, resident_bytes, scratch, ChannelMajorSplit,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
+    apply, channel_tiles, merge_channel_results, resident_bytes, scratch, side_resident_streamed,
+    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -1140,7 +1140,11 @@ pub fn backward_training_side<T: Element>(
     // bf16 1.27 / 1.17 (AVX2 1.31 / 1.31), 16x256x56x56 f32 1.13 / 0.89; while in cache
     // the resident pass wins: 16x512x28x28 f32 0.92 / 1.28, 16x256x56x56 bf16 1.19 /
     // 1.44, 16x64x112x112 bf16 1.28 / 1.45, 16x64x56x56 f32 1.23 / 1.50.
-    if g.resident(size, inputs + 1, resident_bytes()) && !g.stream(size) {
+    // Except on machines where it was measured faster from DRAM too
+    // (`side_resident_streamed`).
+    if g.resident(size, inputs + 1, resident_bytes())
+        && (!g.stream(size) || side_resident_streamed())
+    {
         let stream = g.stream_resident(size);
         let pipelined = g.pipelined(size);
         let split = ChannelMajorSplit::whole_channels(g, pipelined);

@@ -223,6 +223,28 @@ pub(crate) fn resident_bytes() -> usize {
     }
 }
 
+/// The most last-level cache a machine may report for the Ex gradient's side pass to
+/// keep its channels resident even when its tensors stream from DRAM
+/// ([`side_resident_streamed`]).
+const SIDE_RESIDENT_LLC_MAX: usize = 192 << 20;
+
+/// Whether the Ex gradient's side pass (`fused::backward_training_side`) keeps channels
+/// that fit the L2 resident even when its tensors are streamed: on machines that report
+/// a last-level cache past [`LLC_CAP_BYTES`] but not past [`SIDE_RESIDENT_LLC_MAX`].
+/// Measured on two Intel Xeons with 2 MiB of L2 a core (2 cores of a VM each, NCHW
+/// 64x256x56x56, 1.6 MB of dy, x, y and the side gradient a 16-bit channel; time ÷
+/// copy, two sweeps against resident): one reporting 300–480 MiB of L3 (2026-11-29,
+/// AVX-512) f16 1.14 against 1.49, bf16 1.17 against 1.27 (AVX2 1.31 both), so two
+/// sweeps; one of the Sapphire Rapids class reporting 105 MiB (2026-12-03,
+/// `scripts/ab.sh 3`) bf16 1.29 against 1.20 with AVX-512 and 1.46 against 1.17 with
+/// AVX2, f16 1.36 against 1.09 and 1.42 against 1.23, so resident. Machines reporting
+/// at most [`LLC_CAP_BYTES`] (the Zen 3 and Zen 4 of README.md, 32 MiB) keep two sweeps,
+/// as measured there. The bits do not depend on the path.
+pub(crate) fn side_resident_streamed() -> bool {
+    let (llc, l2) = caches();
+    llc > LLC_CAP_BYTES && llc <= SIDE_RESIDENT_LLC_MAX && l2 > 0
+}
+
 /// `i + 1`, wrapping to 0 at `n`: the index of a cyclic walk (channel of the next row,
 /// accumulator set of the next pixel) without a division per step.
 #[inline(always)]
