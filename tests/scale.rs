@@ -433,3 +433,32 @@ fn short_rows_with_tails_at_millions_per_channel() {
     }
     check_all(cases, 20);
 }
+
+/// The Ex gradient with its side input's gradient on tensors that stream from DRAM
+/// (51 MB each: past `kernels::STREAM_BYTES` and half the last-level cache counted)
+/// whose channels fit a core's L2 (dy, x, y and the side gradient of a channel: 800 KB).
+/// Where the machine reports 96–192 MiB of L3 (`kernels::side_resident_streamed`) these
+/// channels are kept resident and each read once; elsewhere the pass sweeps the tensors
+/// twice. The reference's values either way: bf16 and f32, far from zero, every
+/// supported ISA.
+#[test]
+fn ex_gradient_of_streamed_tensors_with_l2_sized_channels() {
+    let mut cases = Vec::new();
+    for (dtype, n) in [(DType::BF16, 32), (DType::F32, 16)] {
+        for isa in fusedbn::Isa::supported() {
+            let case = Case::new(
+                Op::FusedBatchNormGradEx,
+                DataFormat::Nchw,
+                &[n, 56, 56, 256],
+                dtype,
+            )
+            .expect("valid case")
+            .training(true)
+            .fill(far(dtype))
+            .isa(isa)
+            .ex(true, true);
+            cases.push(case);
+        }
+    }
+    check_all(cases, 4);
+}
