@@ -1117,8 +1117,9 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>
 /// `dx = (sg − k[0])·k[1] + (x − mean)·k[2]` with `k = coeffs(c, Σdy, Σdy·(x − mean))`
 /// from `sg` and x — not dy, y and x again (the masked dy is exact in `T`, so `dx` is
 /// the same either way). Resident per channel when dy, x, the mask and `sg` of a
-/// channel fit [`RESIDENT_BYTES`](super::RESIDENT_BYTES): one DRAM read of each input,
-/// one write of each output.
+/// channel fit `resident_bytes()` and the tensors are not streamed, or are streamed on
+/// a machine where `side_resident_streamed()` holds: one DRAM read of each input, one
+/// write of each output. Otherwise two sweeps.
 pub fn backward_training_side<T: Element>(
     g: &Geometry,
     isa: Isa,
@@ -1135,13 +1136,13 @@ pub fn backward_training_side<T: Element>(
     // passes, which keep 8 MiB): there, at 8 MiB, NCHW 64x256x56x56 Ex backward took
     // 1.31 of a copy in f32 and 1.37 in bf16 (AVX-512), 0.98 and 1.19 within the L2.
     // And only for tensors that are not streamed (`Geometry::stream`): from DRAM the
-    // two sweeps with streamed outputs were faster (`scripts/ab.sh 3`, Intel Xeon,
-    // NCHW, time ÷ copy, resident / two sweeps, AVX-512): 64x256x56x56 f16 1.49 / 1.14,
+    // two sweeps with streamed outputs were faster (`scripts/ab.sh 3`, the Intel Xeon
+    // reporting 300-480 MiB of L3, NCHW, time ÷ copy, resident / two sweeps, AVX-512): 64x256x56x56 f16 1.49 / 1.14,
     // bf16 1.27 / 1.17 (AVX2 1.31 / 1.31), 16x256x56x56 f32 1.13 / 0.89; while in cache
     // the resident pass wins: 16x512x28x28 f32 0.92 / 1.28, 16x256x56x56 bf16 1.19 /
     // 1.44, 16x64x112x112 bf16 1.28 / 1.45, 16x64x56x56 f32 1.23 / 1.50.
-    // Except on machines where it was measured faster from DRAM too
-    // (`side_resident_streamed`).
+    // On the Xeon reporting 105 MiB the resident pass was faster from DRAM too, so it
+    // is kept there for streamed tensors as well (`side_resident_streamed`).
     if g.resident(size, inputs + 1, resident_bytes())
         && (!g.stream(size) || side_resident_streamed())
     {
