@@ -440,6 +440,16 @@ fn runs(g: &Geometry, c: usize) -> impl Iterator<Item = std::ops::Range<usize>> 
 fn gather(t: &Tensor, g: &Geometry, c: usize) -> Vec<f64> {
     fn go<T: Element>(v: &[T], g: &Geometry, c: usize) -> Vec<f64> {
         let mut out = Vec::with_capacity(g.per_channel());
+        if g.inner == 1 {
+            // Channels-last: one element a pixel, `channels` apart.
+            let all = v.get(c..).unwrap_or_default();
+            out.extend(
+                all.iter()
+                    .step_by(g.channels.max(1))
+                    .map(|e| e.widen().to_f64()),
+            );
+            return out;
+        }
         for run in runs(g, c) {
             out.extend(v[run].iter().map(|e| e.widen().to_f64()));
         }
@@ -935,8 +945,35 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
                 got.numel()
             )));
         }
-        let ulp = 2.0 * got.dtype().epsilon();
-        let tiny = smallest_normal(got.dtype());
+        let dtype = got.dtype();
+        let policy = Policy {
+            dtype,
+            ulp: 2.0 * dtype.epsilon(),
+            tiny: smallest_normal(dtype),
+            rel,
+            scale: e.scale,
+            floor: e.floor,
+            base: rel * e.scale + e.floor,
+        };
+        // Only the compared elements are widened (a sample of channels of a tensor of
+        // 2^31 elements must not need 16 GiB of f64). The loop is compiled once per
+        // element type (`tally`), channels in parallel where there are many values.
+        let one = |k: usize| -> std::result::Result<Tally, String> {
+            let c = want.channels[k];
+            let wants = &e.values[k * per..][..per];
+            match got.data() {
+                TensorData::F16(v) => tally(v, g, c, per_channel, wants, &policy),
+                TensorData::BF16(v) => tally(v, g, c, per_channel, wants, &policy),
+                TensorData::F32(v) => tally(v, g, c, per_channel, wants, &policy),
+                TensorData::F64(v) => tally(v, g, c, per_channel, wants, &policy),
+            }
+        };
+        let n = want.channels.len();
+        let tallies: Vec<_> = if e.values.len() >= 1 << 16 {
+            (0..n).into_par_iter().map(one).collect()
+        } else {
+            (0..n).map(one).collect()
+        };
         let mut a = Agreement {
             name: e.name,
             compared: 0,
@@ -944,83 +981,121 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
             worst: 0.0,
             max_rel: 0.0,
         };
-        // Only the compared elements are widened (a sample of channels of a tensor of
-        // 2^31 elements must not need 16 GiB of f64). The loop is compiled once per
-        // element type (`compare`): per element, a `match` on the type and a software
-        // f64 -> f16 rounding were most of the time of the large-scale tests.
-        let dtype = got.dtype();
-        let mut judge = |c: usize, i: usize, v: f64, w: f64| -> Result<()> {
-            a.compared += 1;
-            if w.is_nan() || v.is_nan() {
-                if w.is_nan() && v.is_nan() {
-                    a.exact += 1;
-                    return Ok(());
-                }
-                return Err(fail(format!(
-                    "channel {c}, element {i}: got {v}, expected {w}"
-                )));
-            }
-            let err = (v - w).abs();
-            // `v` is `w` rounded to the output's type: equal, or within a spacing of
-            // `w` (the bound only spares the rounding where it cannot hold).
-            if v == w || (err <= ulp * w.abs().max(tiny) && v == round_to(dtype, w)) {
-                a.exact += 1;
-            }
-            if err == 0.0 {
-                return Ok(());
-            }
-            let tol = rel * e.scale + ulp * w.abs().max(tiny) + e.floor;
-            let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
-            a.worst = a.worst.max(ratio);
-            if e.scale > 0.0 {
-                a.max_rel = a.max_rel.max(err / e.scale);
-            }
-            if ratio.is_nan() || ratio > 1.0 {
-                return Err(fail(format!(
-                    "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {rel:e}·{:.3e} + {ulp:e}·max(|expected|, {tiny:e}) + {:.3e})",
-                    e.scale, e.floor
-                )));
-            }
-            Ok(())
-        };
-        for (k, &c) in want.channels.iter().enumerate() {
-            let wants = &e.values[k * per..][..per];
-            match got.data() {
-                TensorData::F16(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
-                TensorData::BF16(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
-                TensorData::F32(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
-                TensorData::F64(v) => compare(v, g, c, per_channel, wants, &mut judge)?,
-            }
+        let mut max_err = 0f64;
+        // The first failure in channel order, as a serial walk would find it.
+        for t in tallies {
+            let t = t.map_err(fail)?;
+            a.compared += t.compared;
+            a.exact += t.exact;
+            a.worst = a.worst.max(t.worst);
+            max_err = max_err.max(t.max_err);
+        }
+        // max(err / scale) = max(err) / scale: division by a positive constant keeps
+        // the order, and rounds monotonically.
+        if e.scale > 0.0 {
+            a.max_rel = max_err / e.scale;
         }
         report.outputs.push(a);
     }
     Ok(report)
 }
 
-/// Calls `judge(c, i, got, want)` for channel `c`'s values of `v` (its one value where
-/// `per_channel`, else its elements in storage order) and their expected `wants`.
-fn compare<T: Element>(
+/// The tolerance of one output (module docs): `base + ulp · max(|want|, tiny)`, with
+/// `base = rel · scale + floor`.
+struct Policy {
+    dtype: DType,
+    ulp: f64,
+    tiny: f64,
+    rel: f64,
+    scale: f64,
+    floor: f64,
+    base: f64,
+}
+
+/// One channel's agreement with the reference.
+#[derive(Default)]
+struct Tally {
+    compared: usize,
+    exact: usize,
+    worst: f64,
+    max_err: f64,
+}
+
+/// Compares channel `c`'s values of `v` (its one value where `per_channel`, else its
+/// elements in storage order) with their expected `wants`; the error names the first
+/// value out of tolerance (its channel and storage index, both values, the tolerance).
+///
+/// One pass over the values, no division per value: the ratio to the tolerance is
+/// computed only where it may raise the worst so far, and the failure test is
+/// `err > tol` itself (three quarters of the large-scale tests' time went to the check
+/// while it divided twice per value through an out-of-line closure).
+fn tally<T: Element>(
     v: &[T],
     g: &Geometry,
     c: usize,
     per_channel: bool,
     wants: &[f64],
-    judge: &mut impl FnMut(usize, usize, f64, f64) -> Result<()>,
-) -> Result<()> {
-    let widen = |i: usize| v[i].widen().to_f64();
+    p: &Policy,
+) -> std::result::Result<Tally, String> {
+    let mut t = Tally::default();
+    let mut judge = |i: usize, w: f64| -> std::result::Result<(), String> {
+        let v = v[i].widen().to_f64();
+        t.compared += 1;
+        if w.is_nan() || v.is_nan() {
+            if w.is_nan() && v.is_nan() {
+                t.exact += 1;
+                return Ok(());
+            }
+            return Err(format!("channel {c}, element {i}: got {v}, expected {w}"));
+        }
+        let err = (v - w).abs();
+        let wa = w.abs().max(p.tiny);
+        // `v` is `w` rounded to the output's type: equal, or within a spacing of `w`
+        // (the bound only spares the rounding where it cannot hold).
+        if v == w {
+            t.exact += 1;
+            return Ok(()); // Infinities too, whose difference is NaN.
+        }
+        if err <= p.ulp * wa && v == round_to(p.dtype, w) {
+            t.exact += 1;
+        }
+        let tol = p.base + p.ulp * wa;
+        t.max_err = t.max_err.max(err);
+        // Only an error above `worst · tol` can raise the worst ratio, and only one
+        // above `tol` (or NaN: an infinity against a finite value) can fail.
+        if err > t.worst * tol || err.is_nan() {
+            let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
+            t.worst = t.worst.max(ratio);
+            if ratio.is_nan() || ratio > 1.0 {
+                return Err(format!(
+                    "channel {c}, element {i}: got {v}, expected {w} (error {err:.3e}, tolerance {tol:.3e}: {:e}·{:.3e} + {:e}·max(|expected|, {:e}) + {:.3e})",
+                    p.rel, p.scale, p.ulp, p.tiny, p.floor
+                ));
+            }
+        }
+        Ok(())
+    };
     if per_channel {
         if let Some(&w) = wants.first() {
-            judge(c, c, widen(c), w)?;
+            judge(c, w)?;
         }
-        return Ok(());
+        return Ok(t);
+    }
+    if g.inner == 1 {
+        // Channels-last: one element a pixel, `channels` apart.
+        let idx = (c..g.len()).step_by(g.channels.max(1));
+        for (i, &w) in idx.zip(wants) {
+            judge(i, w)?;
+        }
+        return Ok(t);
     }
     let mut wants = wants.iter();
     for run in runs(g, c) {
         for (i, &w) in run.zip(&mut wants) {
-            judge(c, i, widen(i), w)?;
+            judge(i, w)?;
         }
     }
-    Ok(())
+    Ok(t)
 }
 
 /// The smallest positive normal number of `d`: below it the spacing of `d` is fixed
