@@ -42,6 +42,7 @@
 //! ```
 
 use std::fmt;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -957,22 +958,51 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
         };
         // Only the compared elements are widened (a sample of channels of a tensor of
         // 2^31 elements must not need 16 GiB of f64). The loop is compiled once per
-        // element type (`tally`), channels in parallel where there are many values.
-        let one = |k: usize| -> std::result::Result<Tally, String> {
-            let c = want.channels[k];
-            let wants = &e.values[k * per..][..per];
+        // element type (`tally`), in parallel where there are many values: tasks of
+        // one channel and a block of rows (channel-major), or of a block of pixels
+        // and every checked channel (channels-last, so that the block's lines are
+        // read once, not once a channel).
+        let nk = want.channels.len();
+        let outer = g.outer;
+        let tasks: Vec<(Range<usize>, Range<usize>)> = if per_channel {
+            vec![(0..nk, 0..1)]
+        } else if g.inner == 1 {
+            let b = ((1usize << 15) / nk.max(1)).max(64);
+            (0..outer)
+                .step_by(b)
+                .map(|o| (0..nk, o..(o + b).min(outer)))
+                .collect()
+        } else {
+            let b = ((1usize << 16) / g.inner).max(1);
+            (0..nk)
+                .flat_map(|k| {
+                    (0..outer)
+                        .step_by(b)
+                        .map(move |o| (k..k + 1, o..(o + b).min(outer)))
+                })
+                .collect()
+        };
+        let one = |(ks, os): (Range<usize>, Range<usize>)| -> std::result::Result<Tally, String> {
+            let part = Part {
+                g,
+                channels: &want.channels,
+                ks,
+                os,
+                values: &e.values,
+                per,
+                per_channel,
+            };
             match got.data() {
-                TensorData::F16(v) => tally(v, g, c, per_channel, wants, &policy),
-                TensorData::BF16(v) => tally(v, g, c, per_channel, wants, &policy),
-                TensorData::F32(v) => tally(v, g, c, per_channel, wants, &policy),
-                TensorData::F64(v) => tally(v, g, c, per_channel, wants, &policy),
+                TensorData::F16(v) => tally(v, &part, &policy),
+                TensorData::BF16(v) => tally(v, &part, &policy),
+                TensorData::F32(v) => tally(v, &part, &policy),
+                TensorData::F64(v) => tally(v, &part, &policy),
             }
         };
-        let n = want.channels.len();
         let tallies: Vec<_> = if e.values.len() >= 1 << 16 {
-            (0..n).into_par_iter().map(one).collect()
+            tasks.into_par_iter().map(one).collect()
         } else {
-            (0..n).map(one).collect()
+            tasks.into_iter().map(one).collect()
         };
         let mut a = Agreement {
             name: e.name,
@@ -982,7 +1012,7 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
             max_rel: 0.0,
         };
         let mut max_err = 0f64;
-        // The first failure in channel order, as a serial walk would find it.
+        // The first failure in task order.
         for t in tallies {
             let t = t.map_err(fail)?;
             a.compared += t.compared;
@@ -1021,25 +1051,31 @@ struct Tally {
     max_err: f64,
 }
 
-/// Compares channel `c`'s values of `v` (its one value where `per_channel`, else its
-/// elements in storage order) with their expected `wants`; the error names the first
-/// value out of tolerance (its channel and storage index, both values, the tolerance).
-///
-/// One pass over the values, no division per value: the ratio to the tolerance is
-/// computed only where it may raise the worst so far, and the failure test is
-/// `err > tol` itself (three quarters of the large-scale tests' time went to the check
-/// while it divided twice per value through an out-of-line closure).
-fn tally<T: Element>(
-    v: &[T],
-    g: &Geometry,
-    c: usize,
+/// The values one task of [`check`] compares: channels `ks` of `channels` (indices
+/// into the reference's list), outer indices `os`.
+struct Part<'a> {
+    g: &'a Geometry,
+    channels: &'a [usize],
+    ks: Range<usize>,
+    os: Range<usize>,
+    /// The reference's values of the output, channel after channel.
+    values: &'a [f64],
+    /// Values per channel in `values`.
+    per: usize,
     per_channel: bool,
-    wants: &[f64],
-    p: &Policy,
-) -> std::result::Result<Tally, String> {
+}
+
+/// Compares the values of `v` in `part` (one value a channel where `per_channel`, else
+/// elements in storage order) with the reference's; the error names the first value
+/// out of tolerance (its channel and storage index, both values, the tolerance).
+///
+/// No division per value: the ratio to the tolerance is computed only where it may
+/// raise the worst so far, and only an error above the tolerance can fail (most of the
+/// large-scale tests' time went to the check while it divided twice per value through
+/// an out-of-line closure, a channel at a time over channels-last tensors).
+fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Result<Tally, String> {
     let mut t = Tally::default();
-    let mut judge = |i: usize, w: f64| -> std::result::Result<(), String> {
-        let v = v[i].widen().to_f64();
+    let mut judge = |c: usize, i: usize, v: f64, w: f64| -> std::result::Result<(), String> {
         t.compared += 1;
         if w.is_nan() || v.is_nan() {
             if w.is_nan() && v.is_nan() {
@@ -1075,24 +1111,22 @@ fn tally<T: Element>(
         }
         Ok(())
     };
-    if per_channel {
-        if let Some(&w) = wants.first() {
-            judge(c, w)?;
+    let g = part.g;
+    let (inner, stride) = (g.inner, g.channels * g.inner);
+    for k in part.ks.clone() {
+        let c = part.channels[k];
+        if part.per_channel {
+            if let Some(&w) = part.values.get(k) {
+                judge(c, c, v[c].widen().to_f64(), w)?;
+            }
+            continue;
         }
-        return Ok(t);
-    }
-    if g.inner == 1 {
-        // Channels-last: one element a pixel, `channels` apart.
-        let idx = (c..g.len()).step_by(g.channels.max(1));
-        for (i, &w) in idx.zip(wants) {
-            judge(i, w)?;
-        }
-        return Ok(t);
-    }
-    let mut wants = wants.iter();
-    for run in runs(g, c) {
-        for (i, &w) in run.zip(&mut wants) {
-            judge(i, w)?;
+        for o in part.os.clone() {
+            let base = o * stride + c * inner;
+            let wants = &part.values[k * part.per + o * inner..][..inner];
+            for (j, (x, &w)) in v[base..base + inner].iter().zip(wants).enumerate() {
+                judge(c, base + j, x.widen().to_f64(), w)?;
+            }
         }
     }
     Ok(t)
@@ -1110,6 +1144,7 @@ fn smallest_normal(d: DType) -> f64 {
     }
 }
 
+#[inline]
 fn round_to(d: DType, v: f64) -> f64 {
     match d {
         DType::F16 => f16::from_f64(v).to_f64(),
