@@ -917,8 +917,9 @@ pub fn relative_tolerance(u: DType) -> f64 {
 }
 
 /// Compares `outputs` with the reference under the one tolerance policy (module docs).
-/// Fails with the first value out of tolerance, naming the output, the element (its
-/// channel and storage index) and both values.
+/// Fails with the first value out of tolerance (channel-major: in channel order;
+/// channels-last: in blocks of pixels, each block channel by channel), naming the
+/// output, the element (its channel and storage index) and both values.
 pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
     let g = &want.geometry;
     let rel = relative_tolerance(want.stat_dtype);

@@ -72,3 +72,46 @@ fn check_passes_the_op_and_rejects_wrong_values() {
         }
     }
 }
+
+/// Outputs of 2^16 values and more are compared in parallel tasks (channels-last: blocks
+/// of pixels with every channel; channel-major: a channel and a block of rows): a wrong
+/// value is still found and named by its storage index, in both layouts, and an
+/// infinity meets an equal infinity but not a finite value.
+#[test]
+fn check_in_parallel_tasks_finds_the_wrong_value_and_meets_infinities() {
+    let op = Op::FusedBatchNormV3;
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        for dtype in [DType::F32, DType::BF16] {
+            let case = Case::new(op, format, &[3, 64, 64, 9], dtype)
+                .expect("valid case")
+                .training(true);
+            let inputs = case.inputs().expect("inputs");
+            let got = case.run(&inputs).expect("the op runs");
+            let want = reference(op, &case.named(&inputs), &case.attrs, None).expect("reference");
+            check(&want, &got).unwrap_or_else(|e| panic!("{case}: {e}"));
+            for i in [0, 40_000, 3 * 64 * 64 * 9 - 1] {
+                let bad = altered(op, &got, "y", i, |v| v * 1.1 + 0.1);
+                let e = check(&want, &bad).expect_err(&format!("{case}: y[{i}] off"));
+                assert!(
+                    e.to_string().contains(&format!("element {i}:")),
+                    "{case}: {e}"
+                );
+            }
+            // The reference's index of storage element i (values channel after channel).
+            let g = want.geometry;
+            let i = 12_345;
+            let (o, c, j) = (
+                i / (g.channels * g.inner),
+                (i / g.inner) % g.channels,
+                i % g.inner,
+            );
+            let at = c * g.outer * g.inner + o * g.inner + j;
+            let mut inf = want.clone();
+            let y = inf.outputs.iter_mut().find(|e| e.name == "y").expect("y");
+            y.values[at] = f64::INFINITY;
+            let got_inf = altered(op, &got, "y", i, |_| f64::INFINITY);
+            check(&inf, &got_inf).unwrap_or_else(|e| panic!("{case}: inf against inf: {e}"));
+            check(&inf, &got).expect_err(&format!("{case}: a finite value against inf"));
+        }
+    }
+}
