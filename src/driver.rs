@@ -1099,8 +1099,10 @@ fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Resul
         let tol = p.base + p.ulp * wa;
         t.max_err = t.max_err.max(err);
         // Only an error above `worst · tol` can raise the worst ratio, and only one
-        // above `tol` (or NaN: an infinity against a finite value) can fail.
-        if err > t.worst * tol || err.is_nan() {
+        // above `tol` can fail; an error that is not finite (an infinity against a
+        // finite value or the other infinity) takes the division too: its infinite or
+        // NaN ratio fails.
+        if !(err <= t.worst * tol) || !err.is_finite() {
             let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
             t.worst = t.worst.max(ratio);
             if ratio.is_nan() || ratio > 1.0 {
