@@ -1102,7 +1102,7 @@ fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Resul
         // above `tol` can fail; an error that is not finite (an infinity against a
         // finite value or the other infinity) takes the division too: its infinite or
         // NaN ratio fails.
-        if !(err <= t.worst * tol) || !err.is_finite() {
+        if err > t.worst * tol || !err.is_finite() {
             let ratio = if tol > 0.0 { err / tol } else { f64::INFINITY };
             t.worst = t.worst.max(ratio);
             if ratio.is_nan() || ratio > 1.0 {
