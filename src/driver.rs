@@ -428,10 +428,11 @@ pub struct Reference {
     pub outputs: Vec<Expected>,
 }
 
-/// Storage indices of channel `c`'s elements, in order: one range per outer index.
-fn runs(g: &Geometry, c: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+/// Storage indices of channel `c`'s elements at outer indices `outer`, in order: one
+/// range per outer index.
+fn runs(g: &Geometry, c: usize, outer: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     let (inner, stride) = (g.inner, g.channels * g.inner);
-    (0..g.outer).map(move |o| {
+    outer.map(move |o| {
         let base = o * stride + c * inner;
         base..base + inner
     })
@@ -451,7 +452,7 @@ fn gather(t: &Tensor, g: &Geometry, c: usize) -> Vec<f64> {
             );
             return out;
         }
-        for run in runs(g, c) {
+        for run in runs(g, c, 0..g.outer) {
             out.extend(v[run].iter().map(|e| e.widen().to_f64()));
         }
         out
@@ -955,7 +956,6 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
             rel,
             scale: e.scale,
             floor: e.floor,
-            base: rel * e.scale + e.floor,
         };
         // Only the compared elements are widened (a sample of channels of a tensor of
         // 2^31 elements must not need 16 GiB of f64). The loop is compiled once per
@@ -1031,8 +1031,8 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
     Ok(report)
 }
 
-/// The tolerance of one output (module docs): `base + ulp · max(|want|, tiny)`, with
-/// `base = rel · scale + floor`.
+/// The tolerance of one output (module docs): `rel · scale + ulp · max(|want|, tiny) +
+/// floor`.
 struct Policy {
     dtype: DType,
     ulp: f64,
@@ -1040,10 +1040,9 @@ struct Policy {
     rel: f64,
     scale: f64,
     floor: f64,
-    base: f64,
 }
 
-/// One channel's agreement with the reference.
+/// One task's agreement with the reference.
 #[derive(Default)]
 struct Tally {
     compared: usize,
@@ -1076,6 +1075,7 @@ struct Part<'a> {
 /// an out-of-line closure, a channel at a time over channels-last tensors).
 fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Result<Tally, String> {
     let mut t = Tally::default();
+    let base = p.rel * p.scale + p.floor;
     let mut judge = |c: usize, i: usize, v: f64, w: f64| -> std::result::Result<(), String> {
         t.compared += 1;
         if w.is_nan() || v.is_nan() {
@@ -1096,7 +1096,7 @@ fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Resul
         if err <= p.ulp * wa && v == round_to(p.dtype, w) {
             t.exact += 1;
         }
-        let tol = p.base + p.ulp * wa;
+        let tol = base + p.ulp * wa;
         t.max_err = t.max_err.max(err);
         // Only an error above `worst · tol` can raise the worst ratio, and only one
         // above `tol` can fail; an error that is not finite (an infinity against a
@@ -1114,8 +1114,7 @@ fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Resul
         }
         Ok(())
     };
-    let g = part.g;
-    let (inner, stride) = (g.inner, g.channels * g.inner);
+    let inner = part.g.inner;
     for k in part.ks.clone() {
         let c = part.channels[k];
         if part.per_channel {
@@ -1124,11 +1123,11 @@ fn tally<T: Element>(v: &[T], part: &Part<'_>, p: &Policy) -> std::result::Resul
             }
             continue;
         }
-        for o in part.os.clone() {
-            let base = o * stride + c * inner;
+        for (o, run) in part.os.clone().zip(runs(part.g, c, part.os.clone())) {
             let wants = &part.values[k * part.per + o * inner..][..inner];
-            for (j, (x, &w)) in v[base..base + inner].iter().zip(wants).enumerate() {
-                judge(c, base + j, x.widen().to_f64(), w)?;
+            let first = run.start;
+            for (j, (x, &w)) in v[run].iter().zip(wants).enumerate() {
+                judge(c, first + j, x.widen().to_f64(), w)?;
             }
         }
     }
