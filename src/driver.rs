@@ -974,7 +974,7 @@ pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
                 .map(|o| (0..nk, o..(o + b).min(outer)))
                 .collect()
         } else {
-            let b = ((1usize << 16) / g.inner).max(1);
+            let b = ((1usize << 16) / g.inner.max(1)).max(1);
             (0..nk)
                 .flat_map(|k| {
                     (0..outer)
