@@ -1526,7 +1526,7 @@ mod tests {
     #[test]
     fn shared_passes_have_the_bits_of_whole_channels() {
         let before = cooperative::SHARED_RUNS.load(std::sync::atomic::Ordering::Relaxed);
-        for (outer, channels, inner) in [(12, 3, 32768), (33, 2, 16384), (9, 2, 30001)] {
+        for (outer, channels, inner) in [(12, 3, 32768), (5, 2, 100000), (9, 2, 30001)] {
             let g = Geometry::new(outer, channels, inner);
             assert!(ChannelMajorSplit::new(&g).chunks >= 2);
             for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {

@@ -487,9 +487,9 @@ impl ChannelMajorSplit {
     pub fn new(g: &Geometry) -> Self {
         let per_channel = g.per_channel().max(1);
         if per_channel >= TASK {
-            // As few chunks as keep a task within TASK elements, of equal rows (the
-            // last may be shorter): 64x64x112x112 splits 16, 16, 16, 16, not 20, 20,
-            // 20, 4, so that the threads of a shared resident pass (`fused::cooperative`)
+            // As few chunks as keep a task within TASK elements (rounded up to an even
+            // number, below), of equal rows (the last may be shorter): 64x64x112x112
+            // splits 16, 16, 16, 16, not 20, 20, 20, 4, so that the threads of a shared resident pass (`fused::cooperative`)
             // can take equal shares of a channel's chunks (and the two-pass tasks are
             // of equal size).
             // Tried (2026-12-02, Zen 4, 1 MiB L2): half this TASK, so that the 800 KB
@@ -500,8 +500,21 @@ impl ChannelMajorSplit {
             // but f16 1.12 -> 1.29 and 1.14 -> 1.23, and forward training 16-bit slower
             // in all four cells (f16 AVX2 1.14 -> 1.41); f32 within 0.07. Not kept (it
             // would also have changed the bits of every such channel-major reduction).
+            // An even number of chunks where there are rows for it: with an odd one the
+            // two threads of a shared pass took unequal shares and the one with more
+            // rows set the pace (128x64x112x112: 7 chunks of 19 rows, 76 rows against
+            // 52, NCHW forward training 1.28-1.38 of a copy in every dtype against
+            // 1.02-1.20 at 64x64x112x112, whose 4 chunks split evenly; Sapphire
+            // Rapids-class Xeon, AVX-512, CHANGELOG 2026-12-03). Still the shape's
+            // alone, not the pool's: the bits do not depend on the thread count.
             let most = (TASK / g.inner.max(1)).max(1);
-            let rows_per_task = g.outer.div_ceil(g.outer.div_ceil(most).max(1)).max(1);
+            let fewest = g.outer.div_ceil(most).max(1);
+            let chunks = if fewest > 1 && fewest % 2 == 1 {
+                (fewest + 1).min(g.outer)
+            } else {
+                fewest
+            };
+            let rows_per_task = g.outer.div_ceil(chunks).max(1);
             ChannelMajorSplit {
                 channels_per_task: 1,
                 rows_per_task,
@@ -956,6 +969,41 @@ mod tests {
                         "{outer}x{channels}x{inner} c {c} rows {o0}..{o1}"
                     );
                 }
+            }
+        }
+    }
+
+    /// A large channel's row chunks: each within TASK elements, of equal rows but the
+    /// last, covering the rows, and an even number of them where the rows allow it
+    /// (two threads then share a channel evenly), whatever the pool.
+    #[test]
+    fn large_channels_split_in_an_even_number_of_chunks() {
+        // (outer, inner, chunks, rows per chunk)
+        for (outer, inner, chunks, rows) in [
+            (64, 12544, 4, 16),  // 64x64x112x112: 4 chunks, as before
+            (128, 12544, 8, 16), // 128x64x112x112: 7 chunks of 19 rows before
+            (128, 3136, 2, 64),  // 128x256x56x56
+            (5, 100000, 3, 2),   // 3 wanted 4, but 5 rows give 2, 2, 1
+            (1, 1 << 20, 1, 1),  // one row
+            (3, 1 << 18, 3, 1),  // a row a chunk
+            (40, 1 << 15, 6, 7), // 5 chunks of 8 rows before
+        ] {
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a thread pool");
+                let g = Geometry::new(outer, 2, inner);
+                let split = pool.install(|| ChannelMajorSplit::new(&g));
+                let what = format!("{outer}x{inner}, {threads} threads: {split:?}");
+                assert_eq!(
+                    (split.chunks, split.rows_per_task),
+                    (chunks, rows),
+                    "{what}"
+                );
+                assert_eq!(split.channels_per_task, 1, "{what}");
+                assert!(split.rows_per_task * inner <= TASK.max(inner), "{what}");
+                assert_eq!(outer.div_ceil(split.rows_per_task), split.chunks, "{what}");
             }
         }
     }
