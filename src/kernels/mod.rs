@@ -489,9 +489,9 @@ impl ChannelMajorSplit {
         if per_channel >= TASK {
             // As few chunks as keep a task within TASK elements (rounded up to an even
             // number, below), of equal rows (the last may be shorter): 64x64x112x112
-            // splits 16, 16, 16, 16, not 20, 20, 20, 4, so that the threads of a shared resident pass (`fused::cooperative`)
-            // can take equal shares of a channel's chunks (and the two-pass tasks are
-            // of equal size).
+            // splits 16, 16, 16, 16, not 20, 20, 20, 4, so that the threads of a shared
+            // resident pass (`fused::cooperative`) can take equal shares of a channel's
+            // chunks (and the two-pass tasks are of equal size).
             // Tried (2026-12-02, Zen 4, 1 MiB L2): half this TASK, so that the 800 KB
             // channels of 64x256x56x56 (16-bit dy and x) split in two chunks and the
             // threads share each one (half a channel a thread, two of them fit the L2)
