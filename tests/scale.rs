@@ -368,6 +368,31 @@ fn short_channel_major_rows_on_both_paths() {
     check_all(cases, 12);
 }
 
+/// Channel-major channels of 1.3 and 1.6 million elements whose fewest row chunks were
+/// odd (5 and 7) and are now even (6 chunks of 7 rows, 8 of 16: `ChannelMajorSplit::new`), so
+/// that the two threads of a shared resident pass take equal shares: the reductions
+/// over the new chunks, resident (f32 forward, bf16 forward and gradient) and in two
+/// passes (f32 gradient), far from zero, training, f32 and bf16, every supported ISA.
+#[test]
+fn channel_major_channels_in_an_even_number_of_chunks() {
+    let mut cases = Vec::new();
+    for shape in [[40, 128, 256, 2], [128, 112, 112, 2]] {
+        for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
+            for isa in fusedbn::Isa::supported() {
+                for dtype in [DType::F32, DType::BF16] {
+                    let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
+                        .expect("valid case")
+                        .training(true)
+                        .fill(far(dtype))
+                        .isa(isa);
+                    cases.push(case);
+                }
+            }
+        }
+    }
+    check_all(cases, 8);
+}
+
 /// Channel-major channels of a million elements that stay resident under the 8 MiB
 /// `RESIDENT_BYTES` limit: NCHW 1x1000x1000x2, 1,000,000 elements a channel, so x alone
 /// (forward: 4 MB in f32) and dy with x (gradient: 8 MB in f32, 4 MB in bf16) fit it,
