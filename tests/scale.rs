@@ -343,19 +343,15 @@ fn one_channels_outlier_leaves_other_channels_bit_identical() {
     }
 }
 
-/// Channel-major rows shorter than the 1 KiB streaming and 4 KiB residency limits
-/// (7×7 and 14×14 images), on both sides of the 16 MiB rule that decides whether a
-/// training pass keeps channels resident (so both the resident walk and the two passes
-/// in memory order run with short rows), far from zero, forward and gradient in
-/// training, f32 and bf16, on every supported ISA.
-#[test]
-fn short_channel_major_rows_on_both_paths() {
+/// NCHW forward and gradient in training, far from zero, f32 and bf16, every supported
+/// ISA, for each of `shapes` (given as N, H, W, C).
+fn nchw_training(shapes: &[[usize; 4]]) -> Vec<Case> {
     let mut cases = Vec::new();
-    for shape in [[16, 7, 7, 512], [200, 7, 7, 512], [96, 14, 14, 256]] {
+    for shape in shapes {
         for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
             for isa in fusedbn::Isa::supported() {
                 for dtype in [DType::F32, DType::BF16] {
-                    let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
+                    let case = Case::new(op, DataFormat::Nchw, shape, dtype)
                         .expect("valid case")
                         .training(true)
                         .fill(far(dtype))
@@ -365,7 +361,20 @@ fn short_channel_major_rows_on_both_paths() {
             }
         }
     }
-    check_all(cases, 12);
+    cases
+}
+
+/// Channel-major rows shorter than the 1 KiB streaming and 4 KiB residency limits
+/// (7×7 and 14×14 images), on both sides of the 16 MiB rule that decides whether a
+/// training pass keeps channels resident (so both the resident walk and the two passes
+/// in memory order run with short rows), far from zero, forward and gradient in
+/// training, f32 and bf16, on every supported ISA.
+#[test]
+fn short_channel_major_rows_on_both_paths() {
+    check_all(
+        nchw_training(&[[16, 7, 7, 512], [200, 7, 7, 512], [96, 14, 14, 256]]),
+        12,
+    );
 }
 
 /// Channel-major channels of 1.3 and 1.6 million elements whose fewest row chunks were
@@ -375,22 +384,7 @@ fn short_channel_major_rows_on_both_paths() {
 /// passes (f32 gradient), far from zero, training, f32 and bf16, every supported ISA.
 #[test]
 fn channel_major_channels_in_an_even_number_of_chunks() {
-    let mut cases = Vec::new();
-    for shape in [[40, 128, 256, 2], [128, 112, 112, 2]] {
-        for op in [Op::FusedBatchNormV3, Op::FusedBatchNormGradV3] {
-            for isa in fusedbn::Isa::supported() {
-                for dtype in [DType::F32, DType::BF16] {
-                    let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
-                        .expect("valid case")
-                        .training(true)
-                        .fill(far(dtype))
-                        .isa(isa);
-                    cases.push(case);
-                }
-            }
-        }
-    }
-    check_all(cases, 8);
+    check_all(nchw_training(&[[40, 128, 256, 2], [128, 112, 112, 2]]), 8);
 }
 
 /// Channel-major channels of a million elements that stay resident under the 8 MiB
