@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Interleaved A/B of two or more fusedbn binaries (built from different commits), the
-# way every speed comparison in README.md and CHANGELOG.md was measured on a noisy
-# machine: ROUNDS rounds, each running `BIN bench ARGS --json` for every binary in
-# turn, then the median over rounds of each case's time ÷ copy and of its ms.
+# way every speed comparison in docs/performance.md and CHANGELOG.md was measured on
+# a noisy machine: ROUNDS rounds, each running `BIN bench ARGS --json` for every
+# binary in turn, then the median over rounds of each case's time ÷ copy and of its ms.
 #
 #   git worktree add /tmp/before <commit> && (cd /tmp/before && cargo build --release -p fusedbn-cli)
 #   cargo build --release -p fusedbn-cli
