@@ -32,8 +32,8 @@ use super::backward::{
 use super::simd::{splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, merge_channel_results, resident_bytes, scratch, side_resident_streamed,
-    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
+    apply, channel_tiles, resident_bytes, scratch, side_resident_streamed, ChannelMajorSplit,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -995,16 +995,10 @@ pub fn backward_inference<T: Element>(
         });
         BackwardSums::total(c, partials)
     } else {
-        let rows = ChannelMajorSplit::new(g).rows_mut(g, dx);
-        // One task of every channel (a small tensor): its sums are already one pair a
-        // channel, in order, with nothing to merge (three allocations fewer a call).
-        let whole = matches!(&rows[..], [r] if r.task.c0 == 0 && r.task.c1 == c);
-        let tasks: Vec<_> = match whole {
-            true => Vec::new(),
-            false => rows.iter().map(|r| r.task).collect(),
-        };
+        let split = ChannelMajorSplit::new(g);
+        let rows = split.rows_mut(g, dx);
         let stream = g.stream(size_of::<T>());
-        let mut partials = map_items(g, rows, |_, rows| {
+        let partials = map_items(g, rows, |_, rows| {
             T::Stat::dispatch(
                 isa,
                 InferenceRows {
@@ -1019,13 +1013,7 @@ pub fn backward_inference<T: Element>(
                 },
             )
         });
-        let per = match (whole, partials.pop()) {
-            (true, Some(per)) => per,
-            (_, last) => {
-                partials.extend(last);
-                merge_channel_results(g, &tasks, partials, |a, b| (a.0 + b.0, a.1 + b.1))
-            }
-        };
+        let per = split.merge(g, partials, |a, b| (a.0 + b.0, a.1 + b.1));
         BackwardSums::from_pairs(&per)
     }
 }

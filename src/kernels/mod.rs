@@ -591,18 +591,51 @@ impl ChannelMajorSplit {
         F: Fn(ChannelTask) -> Vec<R> + Sync + Send,
         M: Fn(R, R) -> R,
     {
-        let mut each = self.task_iter(g);
-        if let (1, Some(only)) = (each.len(), each.next()) {
-            if only.c0 == 0 && only.c1 == g.channels {
-                // One task of every channel (a small tensor): its results are already
-                // one per channel, in order, and nothing is left to merge (four
-                // allocations fewer per reduction, which small tensors notice).
-                return f(only);
-            }
+        if let Some(only) = self.whole(g) {
+            // Its results are already one per channel, in order: no task list, no
+            // vector of results, no merge (four allocations fewer per reduction,
+            // which small tensors notice).
+            return f(only);
         }
         let tasks = self.tasks(g);
         let partials = map_tasks(g, tasks.len(), |i| f(tasks[i]));
-        merge_channel_results(g, &tasks, partials, merge)
+        self.merge(g, partials, merge)
+    }
+
+    /// The one task of a split that has a single task holding every channel (a small
+    /// tensor), whose per-channel results need no merge.
+    fn whole(&self, g: &Geometry) -> Option<ChannelTask> {
+        let mut tasks = self.task_iter(g);
+        match (tasks.len(), tasks.next()) {
+            (1, Some(t)) if t.c0 == 0 && t.c1 == g.channels => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Folds per-task results of this split (one `R` per channel of each task, tasks
+    /// in order) into one result per channel, merging a channel's chunks in row
+    /// order; a [`whole`](Self::whole) task's results are returned as they are.
+    pub fn merge<R: Copy>(
+        &self,
+        g: &Geometry,
+        mut results: Vec<Vec<R>>,
+        merge: impl Fn(R, R) -> R,
+    ) -> Vec<R> {
+        if results.len() == 1 && self.whole(g).is_some() {
+            if let Some(only) = results.pop() {
+                return only;
+            }
+        }
+        let mut out: Vec<Option<R>> = vec![None; g.channels];
+        for (t, rs) in self.task_iter(g).zip(results) {
+            for (c, r) in (t.c0..t.c1).zip(rs) {
+                out[c] = Some(match out[c] {
+                    Some(prev) => merge(prev, r),
+                    None => r,
+                });
+            }
+        }
+        out.into_iter().flatten().collect()
     }
 
     /// The tasks, channel-major: all chunks of a channel are consecutive.
@@ -648,27 +681,6 @@ impl<T> TaskRows<'_, T> {
         let t = self.task;
         &mut self.blocks[o - t.o0][(c - t.c0) * self.inner..][..self.inner]
     }
-}
-
-/// Folds per-task results of a [`ChannelMajorSplit`] (one `R` per channel of each
-/// task, tasks in order) into one result per channel, merging a channel's chunks in
-/// row order.
-pub(crate) fn merge_channel_results<R: Copy>(
-    g: &Geometry,
-    tasks: &[ChannelTask],
-    results: Vec<Vec<R>>,
-    merge: impl Fn(R, R) -> R,
-) -> Vec<R> {
-    let mut out: Vec<Option<R>> = vec![None; g.channels];
-    for (t, rs) in tasks.iter().zip(results) {
-        for (c, r) in (t.c0..t.c1).zip(rs) {
-            out[c] = Some(match out[c] {
-                Some(prev) => merge(prev, r),
-                None => r,
-            });
-        }
-    }
-    out.into_iter().flatten().collect()
 }
 
 /// Pixels per tile in a channels-last reduction: about [`CL_TILE`] elements, at
@@ -1010,6 +1022,30 @@ mod tests {
                 assert_eq!(outer.div_ceil(split.rows_per_task), split.chunks, "{what}");
             }
         }
+    }
+
+    /// `merge` folds a channel's row chunks in row order, one result a channel, and
+    /// hands a whole split's single task back as it is.
+    #[test]
+    fn merge_folds_chunks_in_row_order() {
+        // Two channels of 3 chunks each (outer 5, rows 2, 2, 1).
+        let g = Geometry::new(5, 2, 100000);
+        let split = ChannelMajorSplit::new(&g);
+        assert_eq!((split.chunks, split.whole(&g)), (3, None));
+        let results: Vec<Vec<u32>> = split
+            .tasks(&g)
+            .iter()
+            .map(|t| (t.c0..t.c1).map(|c| (c * 100 + t.o0) as u32).collect())
+            .collect();
+        // Not commutative: the order of the fold shows.
+        let got = split.merge(&g, results, |a, b| a * 10 + b % 10);
+        assert_eq!(got, vec![(2 * 10 + 4), (100 * 10 + 2) * 10 + 4]);
+        // A small tensor: one task of every channel, returned as it is.
+        let small = Geometry::new(2, 32, 64);
+        let split = ChannelMajorSplit::new(&small);
+        assert!(split.whole(&small).is_some());
+        let only: Vec<u32> = (0..32).collect();
+        assert_eq!(split.merge(&small, vec![only.clone()], |_, _| 0), only);
     }
 
     #[test]
