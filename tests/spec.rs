@@ -822,24 +822,28 @@ fn spec7_statistics_with_drifting_data() {
     }
 }
 
-/// A channels-last task takes its first pivots from its first 16 pixels. Where those
-/// pixels are unlike the rest of the first tile (here, in some channels, 0 against
-/// 10⁴ ± 1 after them; in one channel a NaN among them), the results must not depend
-/// on that choice: every channel but the NaN one as exact as the f64 reference, the NaN
-/// one NaN.
+/// A channels-last task takes its first pivots from its first 32 pixels (16 where the
+/// task is one tile). Where those pixels are unlike the rest of the first tile (here,
+/// in some channels, 0 against 10⁴ ± 1 after them; in one channel a NaN among them),
+/// the results must not depend on that choice: every channel but the NaN one as exact
+/// as the f64 reference, the NaN one NaN.
 #[test]
 fn spec7_statistics_first_pixels_unlike_the_rest() {
     use fusedbn::Isa;
     let mut rng = common::Rng::new(11);
-    // C = 40: five vectors of 8 lanes, or two of 16 and a partial one.
-    let (pixels, c) = (3000usize, 40usize);
-    for nan in [false, true] {
+    // C = 40: five vectors of 8 lanes, or two of 16 and a partial one. A tile is 819
+    // pixels at C = 40: 3000 pixels are one task of four tiles, 600 one of one tile.
+    let c = 40usize;
+    for ((pixels, head), nan) in [(3000usize, 32usize), (600, 16)]
+        .into_iter()
+        .flat_map(|ph| [(ph, false), (ph, true)])
+    {
         let x: Vec<f32> = (0..pixels * c)
             .map(|i| {
                 let (p, ch) = (i / c, i % c);
                 if nan && ch == 7 && p == 3 {
                     f32::NAN
-                } else if ch % 3 == 0 && p < 16 {
+                } else if ch % 3 == 0 && p < head {
                     rng.normal() as f32
                 } else {
                     (1e4 + rng.normal()) as f32
@@ -858,12 +862,12 @@ fn spec7_statistics_first_pixels_unlike_the_rest() {
                 let (m, v) = (rm[ch], rv[ch]);
                 assert!(
                     (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
-                    "{isa} nan={nan} channel {ch}: mean {} vs {m}",
+                    "{isa} {pixels} pixels nan={nan} channel {ch}: mean {} vs {m}",
                     mu[ch]
                 );
                 assert!(
                     (var[ch] as f64 - v).abs() <= 1e-5 * v,
-                    "{isa} nan={nan} channel {ch}: var {} vs {v}",
+                    "{isa} {pixels} pixels nan={nan} channel {ch}: var {} vs {v}",
                     var[ch]
                 );
             }

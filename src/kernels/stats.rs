@@ -489,6 +489,12 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let (s1, s2) = rest.split_at_mut(c);
         let mut exact: Vec<Moments> = Vec::new();
         let tile_len = pixels_per_tile(c) * c;
+        // A task of one tile has no later tile to miss its pivots (PIVOT_PIXELS).
+        let pivot_pixels = if self.x.len() > tile_len {
+            PIVOT_PIXELS
+        } else {
+            PIVOT_PIXELS_ONE_TILE
+        };
         let mut first = true;
         for tile in self.x.chunks(tile_len) {
             let n = tile.len() / c;
@@ -505,7 +511,7 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
                 // extra pass over the first tile, which was a third of the statistics
                 // time at C = 2048, where a task is two tiles).
                 first = false;
-                let head = PIVOT_PIXELS.min(n) * c;
+                let head = pivot_pixels.min(n) * c;
                 tile_pivots(s, &tile[..head], c, sets, acc, pivot, pivots);
                 deviation_sums_px(s, tile, c, sets, pivot, acc, self.quads, (sum1, sum2));
                 let all = all_well_shifted(inv_n, &sum1[..c], &sum2[..c]);
@@ -591,8 +597,25 @@ fn channel_exact<T: Element>(tile: &[T], c: usize, ch: usize) -> Moments {
     }
 }
 
-/// Pixels whose means are a channels-last task's first pivots.
-const PIVOT_PIXELS: usize = 16;
+/// Pixels whose means are the first pivots of a channels-last task of several tiles.
+/// The pivots stay those of the task's every later tile, whose channels fall back to
+/// the exact per-channel path (`channel_exact`, and a per-channel loop for the whole
+/// tile) where the tile's mean lies more than its std from them ([`well_shifted`]).
+/// From 16 pixels the pivot of i.i.d. data is off by σ/4, and a later tile of 64 pixels
+/// (C ≥ 512) misses it by more than σ with a probability of about 3·10⁻⁴ a channel: at
+/// C = 2048 half the later tiles took the fallback. From 32 it is about 4·10⁻⁶.
+/// Measured on a Zen 4 (AVX-512, 2 threads, the bench's i.i.d. data; `scripts/ab.sh 5`,
+/// NHWC forward training in cache, time ÷ copy, AVX-512 / AVX2): bf16 16x7x7x2048 6.95
+/// / 8.12 -> 6.42 / 7.95, 16x28x28x512 3.24 / 3.31 -> 2.82 / 3.06, 16x14x14x1024 5.19 /
+/// 5.78 -> 4.94 / 5.55; f32 16x7x7x2048 3.98 / 4.13 -> 3.86 / 4.00, 16x14x14x1024 2.57
+/// / 2.62 -> 2.46 / 2.58. From DRAM (64x56x56x256, 64x112x112x64, three dtypes, both
+/// ISAs, `scripts/ab.sh 3`) the twelve cells moved by -0.07 to +0.10, within the noise.
+const PIVOT_PIXELS: usize = 32;
+
+/// [`PIVOT_PIXELS`] for a task of one tile, whose pivots serve only that tile, of which
+/// they are a part: there 16 pixels miss by more than σ about as rarely as 32 do for a
+/// later tile. (32 made NHWC 2x8x8x32 forward training 3-6 % slower on the Zen 4.)
+const PIVOT_PIXELS_ONE_TILE: usize = 16;
 
 /// The per-channel means of the whole pixels `px` (`c` channels each) into `pivot`
 /// (vectors) and `pivots` (lanes); `acc` is scratch of at least `sets` accumulator sets.
