@@ -127,6 +127,35 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
     check_all(cases, 16);
 }
 
+/// Channels-last statistics with C in the thousands: tiles of 64 pixels, tasks of two
+/// to four tiles whose first pivots come from 32 pixels and serve every later tile, so
+/// that the later tiles' sums are taken around another tile's pivots (and fall back
+/// per channel where those lie more than a std off). Far from zero, f32 and bf16, C =
+/// 2048 (whole vectors) and C = 1000 (a partial last one), 8,192 pixels a channel, on
+/// every ISA this CPU has.
+#[test]
+fn channels_last_statistics_of_thousands_of_channels_on_every_isa() {
+    let mut cases = Vec::new();
+    for c in [1000, 2048] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                let case = Case::new(
+                    Op::FusedBatchNormV3,
+                    DataFormat::Nhwc,
+                    &[2, 64, 64, c],
+                    dtype,
+                )
+                .expect("valid case")
+                .training(true)
+                .fill(far(dtype))
+                .isa(isa);
+                cases.push(case);
+            }
+        }
+    }
+    check_all(cases, 8);
+}
+
 /// The channels-last gradient sums walk four pixels at a time (accumulators updated
 /// once per four vectors, prefetched for 16-bit tensors past 16 MiB), through one
 /// pointer per input, with a partial last vector summed apart; the inference gradient

@@ -603,7 +603,9 @@ fn channel_exact<T: Element>(tile: &[T], c: usize, ch: usize) -> Moments {
 /// tile) where the tile's mean lies more than its std from them ([`well_shifted`]).
 /// From 16 pixels the pivot of i.i.d. data is off by σ/4, and a later tile of 64 pixels
 /// (C ≥ 512) misses it by more than σ with a probability of about 3·10⁻⁴ a channel: at
-/// C = 2048 half the later tiles took the fallback. From 32 it is about 4·10⁻⁶.
+/// C = 2048 half the later tiles took the fallback. From 32 it is about 4·10⁻⁶. (Those
+/// rates are the normal distribution's, not counted; the profile that led here put 2.8
+/// % of a one-thread forward training of 16x7x7x2048 f32 in the fallback loop.)
 /// Measured on a Zen 4 (AVX-512, 2 threads, the bench's i.i.d. data; `scripts/ab.sh 5`,
 /// NHWC forward training in cache, time ÷ copy, AVX-512 / AVX2): bf16 16x7x7x2048 6.95
 /// / 8.12 -> 6.42 / 7.95, 16x28x28x512 3.24 / 3.31 -> 2.82 / 3.06, 16x14x14x1024 5.19 /
