@@ -165,6 +165,12 @@ impl Exchange {
         std::array::from_fn(|i| f64::from_bits(self.values[at + i].load(Ordering::Relaxed)))
     }
 
+    /// Whether every thread has published channel `c` (without waiting).
+    #[inline]
+    pub fn published(&self, c: usize) -> bool {
+        self.arrived[c].load(Ordering::Acquire) >= self.parts
+    }
+
     /// Waits until every thread has published channel `c`. Spins, then yields the core.
     /// Every part is running on a thread of its own by then ([`run_parts`]' start), and
     /// none waits for anything but the others' reductions.
