@@ -1684,6 +1684,59 @@ mod tests {
         assert!(got == want);
     }
 
+    /// [`WhenPublished`] makes no writer while channel `c` is unpublished (the reduction
+    /// goes on), makes it at the first tile after every part has published `c` and
+    /// passes it that tile and every later one; where no tile came after, it is made at
+    /// the end.
+    #[test]
+    fn rows_are_written_behind_once_the_channel_is_published() {
+        struct Count(usize);
+        impl Pace<()> for Count {
+            fn tile_done(&mut self, _: (), _: Tile) {
+                self.0 += 1;
+            }
+        }
+        let g = Geometry::new(4, 2, 8);
+        let plan = Plan {
+            parts: 2,
+            per_part: 1,
+            chunk_rows: 2,
+            chunks: 2,
+        };
+        let tile = Tile {
+            start: 0,
+            step: 8,
+            stride: 16,
+            count: 1,
+        };
+        let ex = Exchange::new(&g, &plan);
+        let made = std::cell::Cell::new(0);
+        let mut pace = WhenPublished::new(&ex, 0, || {
+            made.set(made.get() + 1);
+            Count(0)
+        });
+        pace.tile_done((), tile);
+        ex.done(0);
+        pace.tile_done((), tile);
+        assert_eq!(made.get(), 0, "made before every part published");
+        ex.done(0);
+        for _ in 0..3 {
+            pace.tile_done((), tile);
+        }
+        assert_eq!(made.get(), 1);
+        let writer = pace.into_behind().map(|w| w.0);
+        assert_eq!((writer, made.get()), (Some(3), 1));
+        // Published only after the reduction's last tile: made at the end, once.
+        let late = WhenPublished::new(&ex, 1, || {
+            made.set(made.get() + 1);
+            Count(0)
+        });
+        ex.done(1);
+        ex.done(1);
+        assert_eq!(late.into_behind().map(|w| w.0), Some(0));
+        assert_eq!(made.get(), 2);
+    }
+
     /// The plan of a shared pass: every chunk in exactly one part, parts of equal
     /// chunks but the last, and each part's output rows its chunks' rows.
     #[test]
