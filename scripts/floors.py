@@ -31,6 +31,8 @@ import statistics
 import subprocess
 import sys
 
+from targets import supported_isas
+
 TARGET = {"forward_training": 1.3, "backward_training": 1.5}
 PAIR = {"forward_training": "forward_inference", "backward_training": "backward_inference"}
 READS = {"forward_training": 1, "backward_training": 2}  # inputs the first pass reads
@@ -51,7 +53,7 @@ def main():
     model = os.path.join("/tmp", f"fusedbn_read_pass_{os.getuid()}")
     subprocess.run(["gcc", "-O2", "-mavx2", "-pthread", "-o", model,
                     os.path.join(here, "models", "read_pass.c")], check=True)
-    isas = [i for i in args.isa.split(",") if supported(args.bin, i)]
+    isas = supported_isas(args.bin, args.isa.split(","))
     if not isas:
         sys.exit("floors.py: none of --isa runs on this CPU")
     ops = list(TARGET) + list(PAIR.values())
@@ -103,12 +105,6 @@ def main():
                           f"| {copy:.2f} | {ms / copy:.2f} | {rd:.2f} | {inf_ms:.2f} "
                           f"| {floor:.2f}{mark} | {TARGET[op]} |")
     print(f"\nCells whose two-pass floor is above the target: {below}")
-
-
-def supported(binary, isa):
-    probe = [binary, "bench", "--shape", "1,2,2,8", "--op", "forward_inference", "--format",
-             "NHWC", "--isa", isa, "--runs", "1", "--min-time", "0", "--json"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
 
 
 if __name__ == "__main__":

@@ -106,25 +106,29 @@ fn forward_statistics() {
 /// with C = 2 only).
 #[test]
 fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
+    check_all(
+        nhwc_training_far(&[8, 19, 32, 40, 64].map(|c| [1, 1023, 1027, c])),
+        16,
+    );
+}
+
+/// FusedBatchNormV3 in training of each NHWC shape, far from zero, f32 and bf16, on
+/// every ISA this CPU has.
+fn nhwc_training_far(shapes: &[[usize; 4]]) -> Vec<Case> {
     let mut cases = Vec::new();
-    for c in [8, 19, 32, 40, 64] {
+    for shape in shapes {
         for isa in fusedbn::Isa::supported() {
             for dtype in [DType::F32, DType::BF16] {
-                let case = Case::new(
-                    Op::FusedBatchNormV3,
-                    DataFormat::Nhwc,
-                    &[1, 1023, 1027, c],
-                    dtype,
-                )
-                .expect("valid case")
-                .training(true)
-                .fill(far(dtype))
-                .isa(isa);
+                let case = Case::new(Op::FusedBatchNormV3, DataFormat::Nhwc, shape, dtype)
+                    .expect("valid case")
+                    .training(true)
+                    .fill(far(dtype))
+                    .isa(isa);
                 cases.push(case);
             }
         }
     }
-    check_all(cases, 16);
+    cases
 }
 
 /// Channels-last statistics with C in the thousands: tiles of 64 pixels, tasks of two
@@ -135,24 +139,7 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
 /// every ISA this CPU has.
 #[test]
 fn channels_last_statistics_of_thousands_of_channels_on_every_isa() {
-    let mut cases = Vec::new();
-    for c in [1000, 2048] {
-        for isa in fusedbn::Isa::supported() {
-            for dtype in [DType::F32, DType::BF16] {
-                let case = Case::new(
-                    Op::FusedBatchNormV3,
-                    DataFormat::Nhwc,
-                    &[2, 64, 64, c],
-                    dtype,
-                )
-                .expect("valid case")
-                .training(true)
-                .fill(far(dtype))
-                .isa(isa);
-                cases.push(case);
-            }
-        }
-    }
+    let cases = nhwc_training_far(&[1000, 2048].map(|c| [2, 64, 64, c]));
     check_all(cases, 8);
 }
 

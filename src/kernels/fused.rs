@@ -254,9 +254,41 @@ where
     f: &'r F,
 }
 
-impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize>
-    RowsBehind<'_, '_, T, S, F, N, K>
+impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize>
+    RowsBehind<'r, 'a, T, S, F, N, K>
 {
+    /// The writer of channel `c`'s rows of `span`, first to last, with constants `k`,
+    /// behind the reduction of channel `reduced`, which reads the first `reads` of
+    /// `ins`: the splat constants and their [`Simd::plain_nans`] token derived here.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn new(
+        s: S,
+        g: &'r Geometry,
+        ins: &'r [&'a [T]; N],
+        rows: &'r mut TaskRows<'a, T>,
+        (c, reduced): (usize, usize),
+        k: [T::Stat; K],
+        (span, reads): (Range<usize>, usize),
+        stream: bool,
+        f: &'r F,
+    ) -> Self {
+        RowsBehind {
+            g,
+            ins,
+            rows,
+            c,
+            reduced,
+            k: splat_n(s, k),
+            w: s.plain_nans(&[&k]),
+            next: span.start,
+            span,
+            reads,
+            stream,
+            f,
+        }
+    }
+
     /// Writes the rows of `c` up to (not including) outer row `end`, each prefetching
     /// the row of the reduced channel `ahead` rows further (of each input it reads):
     /// the rows its next tile reads; and of an input it does not read (a side input),
@@ -427,20 +459,17 @@ where
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let k = (self.coeffs)(c, m);
-            let mut behind = RowsBehind {
+            let mut behind = RowsBehind::new(
+                s,
                 g,
-                ins: &self.ins,
-                rows: &mut rows,
-                c,
-                reduced: if pipe { c + 1 } else { c },
-                k: splat_n(s, k),
-                w: s.plain_nans(&[&k]),
-                next: 0,
-                reads: 1,
-                span: 0..g.outer,
-                stream: self.stream,
-                f: &self.f,
-            };
+                &self.ins,
+                &mut rows,
+                (c, if pipe { c + 1 } else { c }),
+                k,
+                (0..g.outer, 1),
+                self.stream,
+                &self.f,
+            );
             let next = if more && pipe {
                 s.outline(MomentsOf {
                     g,
@@ -512,20 +541,17 @@ where
             let more = c + 1 < t.c1;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
             let k = [dm, self.mean[c], k1, k2];
-            let mut behind = RowsBehind {
+            let mut behind = RowsBehind::new(
+                s,
                 g,
-                ins: &self.ins,
-                rows: &mut rows,
-                c,
-                reduced: if pipe { c + 1 } else { c },
-                k: splat_n(s, k),
-                w: s.plain_nans(&[&k]),
-                next: 0,
-                reads: 2,
-                span: 0..g.outer,
-                stream: self.stream,
-                f: &self.f,
-            };
+                &self.ins,
+                &mut rows,
+                (c, if pipe { c + 1 } else { c }),
+                k,
+                (0..g.outer, 2),
+                self.stream,
+                &self.f,
+            );
             let next = if more && pipe {
                 s.outline(SumsOf {
                     g,
@@ -699,20 +725,7 @@ where
             let (coeffs, stream) = (self.coeffs, self.stream);
             let mut behind = WhenPublished::new(ex, c, move || {
                 let k = coeffs(c, shared_moments(ex, c));
-                RowsBehind {
-                    g,
-                    ins,
-                    rows,
-                    c,
-                    reduced: c + 1,
-                    k: splat_n(s, k),
-                    w: s.plain_nans(&[&k]),
-                    next: span.start,
-                    span,
-                    reads: 1,
-                    stream,
-                    f,
-                }
+                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, (span, 1), stream, f)
             });
             if more {
                 share_moments(s, g, x, c + 1, plan, part, ex, &mut behind);
@@ -771,20 +784,7 @@ where
                 let (a, b) = shared_sums(ex, c);
                 let [dm, k1, k2] = coeffs(c, a, b);
                 let k = [dm, mean[c], k1, k2];
-                RowsBehind {
-                    g,
-                    ins,
-                    rows,
-                    c,
-                    reduced: c + 1,
-                    k: splat_n(s, k),
-                    w: s.plain_nans(&[&k]),
-                    next: span.start,
-                    span,
-                    reads: 2,
-                    stream,
-                    f,
-                }
+                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, (span, 2), stream, f)
             });
             if more {
                 share_sums(s, g, data, self.mean, c + 1, plan, part, ex, &mut behind);
