@@ -377,9 +377,26 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
 {
     #[inline(always)]
     fn tile_done(&mut self, _: S, tile: Tile) {
-        self.upto(tile.rows_done(self.g, self.reduced), tile.count);
+        self.upto(
+            tile.rows_done(self.g, self.reduced),
+            AHEAD_TILES * tile.count,
+        );
     }
 }
+
+/// How many tiles ahead of the reduction a pipelined pass's row writes prefetch the
+/// reduced channel's rows ([`RowsBehind::upto`], [`SideBehind`]): a row a written row,
+/// `AHEAD_TILES` tiles' rows on. One tile ahead, the prefetches issued during a tile's
+/// writes had not landed when the reduction read them. The C model
+/// `scripts/models/resident_pipe.c` (Zen 4, NCHW 64x256x56x56 bf16 walk, two threads)
+/// put the walk at 7.8 ms with one tile ahead and 6.9 with three (a memcpy of the bytes
+/// 7.1; a read of them alone, prefetched, 3.4). In the library, `scripts/ab.sh 5` and `7`
+/// (Zen 4, NCHW 64x256x56x56 and 64x64x112x112, forward and backward training, time ÷
+/// copy, one tile -> three): AVX-512 lower in 12 of 12 cells in the first run (bf16
+/// forward 1.16 -> 1.00, f16 backward 1.29 -> 1.06, f32 backward 64x64x112x112 1.15 ->
+/// 1.06), both ISAs in 15 of 24 in the second (mean -0.02; 16-bit -0.03); six tiles
+/// were no better than three. The Ex ops moved within the noise (±0.06).
+const AHEAD_TILES: usize = 3;
 
 /// The pace of a shared pass's reduction of channel `c + 1`: the rows of `c` written
 /// behind it ([`RowsBehind`], made by `make` from `c`'s exchanged reduction) from the
@@ -1445,7 +1462,12 @@ impl<T: Element, S: Simd<T::Stat>> Body<S>
 impl<T: Element, S: Simd<T::Stat>> PaceSide<S, T> for SideBehind<'_, '_, T, S> {
     #[inline(always)]
     fn tile_done(&mut self, s: S, tile: Tile, sg: &mut TaskRows<'_, T>) {
-        self.upto(s, sg, tile.rows_done(self.g, self.reduced), tile.count);
+        self.upto(
+            s,
+            sg,
+            tile.rows_done(self.g, self.reduced),
+            AHEAD_TILES * tile.count,
+        );
     }
 }
 
