@@ -390,13 +390,13 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
 /// writes had not landed when the reduction read them. The C model
 /// `scripts/models/resident_pipe.c` (Zen 4, NCHW 64x256x56x56 bf16 walk, two threads)
 /// put the walk at 7.8 ms with one tile ahead and 6.9 with three (a memcpy of the bytes
-/// 7.1; a read of them alone, prefetched, 3.4). In the library (Zen 4, NCHW 64x256x56x56
-/// and 64x64x112x112, forward and backward training, time ÷ copy, one tile -> three,
-/// four runs of `scripts/ab.sh` with 5 or 7 rounds): with AVX-512
-/// lower in 12, 8, 6 and 9 of 12 cells (mean -0.09, -0.02, 0.00, -0.03 of a copy; bf16
-/// forward 64x256x56x56 1.16 -> 1.00 and f16 backward 1.29 -> 1.06 in the first), with
-/// AVX2 in 8 and 6 of 12 (-0.02, +0.01): a small gain with AVX-512, even with AVX2. Six
-/// tiles were no better than three; the Ex ops moved within the noise (±0.06).
+/// 7.1; a read of them alone, prefetched, 3.4). In the library (Zen 4, NCHW
+/// 64x256x56x56 and 64x64x112x112, forward and backward training, time ÷ copy, one tile
+/// -> three, four runs of `scripts/ab.sh` with 5 or 7 rounds): with AVX-512 lower in
+/// 12, 8, 6 and 9 of 12 cells (mean -0.09, -0.02, 0.00, -0.03 of a copy; bf16 forward
+/// 64x256x56x56 1.16 -> 1.00 and f16 backward 1.29 -> 1.06 in the first), with AVX2 in
+/// 8 and 6 of 12 (-0.02, +0.01): a small gain with AVX-512, even with AVX2. Six tiles
+/// were no better than three; the Ex ops moved within the noise (±0.06).
 const AHEAD_TILES: usize = 3;
 
 /// The pace of a shared pass's reduction of channel `c + 1`: the rows of `c` written
