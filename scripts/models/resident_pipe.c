@@ -34,7 +34,7 @@
 // 5.40. So the pipelined pass costs about a read and a write one after the other with
 // its prefetch one tile ahead, less with it three tiles ahead (`fused::AHEAD_TILES`),
 // and a vector-by-vector zip would take a little less again; its second read of a
-// channel costs 0.5-1 ms of the 6.3 (zip against zip of the same row).
+// channel costs about 1 ms of the 6.3 (zip against zip of the same row).
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
