@@ -226,6 +226,10 @@ int main(int argc, char **argv) {
     C = argc > 2 ? atol(argv[2]) : 256;
     HW = argc > 3 ? atol(argv[3]) : 3136;
     int R = argc > 4 ? atoi(argv[4]) : 9;
+    if (R < 1 || R > 64) {
+        fprintf(stderr, "resident_pipe: ROUNDS must be 1 to 64\n");
+        return 2;
+    }
     if (getenv("ZIPD")) ZIPD = atol(getenv("ZIPD"));
     size_t n = NB * C * HW;
     x = aligned_alloc(4096, n * 2 + 4096);

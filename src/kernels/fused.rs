@@ -396,7 +396,11 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
 /// 12, 8, 6 and 9 of 12 cells (mean -0.09, -0.02, 0.00, -0.03 of a copy; bf16 forward
 /// 64x256x56x56 1.16 -> 1.00 and f16 backward 1.29 -> 1.06 in the first), with AVX2 in
 /// 8 and 6 of 12 (-0.02, +0.01): a small gain with AVX-512, even with AVX2. Six tiles
-/// were no better than three; the Ex ops moved within the noise (±0.06).
+/// were no better than three; the Ex ops moved within the noise (±0.06). On the
+/// pipelined ResNet-50 shapes at batch 16 (`scripts/ab.sh 3` and `7`): 16x64x56x56 and
+/// 16x64x112x112 lower in 7 of 8 cells each, but 16x256x56x56, whose 16-row channels
+/// make three tiles ahead more than a third of the next channel, higher in 9 of 12
+/// (16-bit backward by 0.04-0.06). A distance in bytes might serve both; not tried.
 const AHEAD_TILES: usize = 3;
 
 /// The pace of a shared pass's reduction of channel `c + 1`: the rows of `c` written
