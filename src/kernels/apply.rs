@@ -501,6 +501,85 @@ fn splat_body<
     }
 }
 
+/// Vectors `j` to `j + 3` of `w` written as two pairs of [`splat_body`] (streamed with
+/// `stream`), each with its hints of the same lines of the first `pfs` of `pf` (rows a
+/// reduction reads soon): the writes of a pipelined resident pass put into the
+/// reduction's loop step by step, so that its loads and these stores mix as in a copy
+/// (`fused::RowsBehind`'s zip).
+///
+/// # Safety
+/// `j + 4 <= w.vectors()` and `w.reads.lanes_of(s)`; with `stream`, the ISA has hints,
+/// `Simd::pair_stream_align` equals `Simd::cl_stream_align` and is one or two vectors,
+/// and vector `j` of the output starts at a multiple of it (as [`splat_body`]'s pairs).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn zip_four<U, S, T, F, const N: usize, const K: usize>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j: usize,
+    k: [S::V; K],
+    f: &F,
+    stream: bool,
+    pf: [*const T; 2],
+    pfs: usize,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    // bf16 with AVX2 under `Simd::plain_nans`: the flag as a constant, as `splat_dispatch`.
+    match s.plain_nans_const::<T>() {
+        // SAFETY: the caller's guarantee.
+        Some(plain) => unsafe { zip_pairs(plain, w, j, k, f, stream, pf, pfs) },
+        // SAFETY: the caller's guarantee.
+        None => unsafe { zip_pairs(s, w, j, k, f, stream, pf, pfs) },
+    }
+}
+
+/// [`zip_four`]'s two pairs.
+///
+/// # Safety
+/// As [`zip_four`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn zip_pairs<U, S, T, F, const N: usize, const K: usize>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j: usize,
+    k: [S::V; K],
+    f: &F,
+    stream: bool,
+    pf: [*const T; 2],
+    pfs: usize,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    for jj in [j, j + 2] {
+        for p in pf.iter().take(pfs) {
+            s.prefetch_lines(p.wrapping_add(jj * S::LANES), 2 * S::LANES);
+            if half_line_hints::<T>() {
+                let half = 32 / size_of::<T>();
+                s.prefetch_lines(p.wrapping_add(jj * S::LANES + half), 2 * S::LANES - half);
+            }
+        }
+        // SAFETY: `jj + 1 < j + 4 <= vectors`; lanes (the caller's guarantee).
+        let (x, y) = unsafe { w.reads.load_pair_unchecked(s, jj) };
+        let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
+        if stream {
+            // SAFETY: as for the load; vector `j` starts at a multiple of
+            // `cl_stream_align` elements (the caller's guarantee), and so does `j + 2`.
+            unsafe { w.stream_pair_cl_unchecked::<S, true>(s, jj, a, b) };
+        } else {
+            // SAFETY: as for the load.
+            unsafe { w.store_pair_unchecked::<S, false>(s, jj, a, b) };
+        }
+    }
+}
+
 /// Per-channel constants laid out along a channels-last stream that starts at a pixel
 /// boundary: `values[i][j]` is constant `i` of the channel of element `head + j`,
 /// repeating every `period` elements; `head_values` covers the `head` elements before.

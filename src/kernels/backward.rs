@@ -178,8 +178,10 @@ pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: P
         let mut acc = (zero, zero);
         for (i, (d, x)) in tile.pieces(dy).zip(tile.pieces(x)).enumerate() {
             let mk = mask.map(|y| &y[tile.start + i * tile.stride..][..tile.step]);
-            let run = GradData { dy: d, mask: mk, x };
-            acc = row_sums(s, run, m, None, zero, acc);
+            acc = match mk {
+                None => sums_run(s, [d, x], m, acc, pace),
+                Some(y) => sums_run(s, [d, x, y], m, acc, pace),
+            };
         }
         sdy += s.sum_f64(acc.0);
         sdx += s.sum_f64(acc.1);
@@ -238,8 +240,8 @@ pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     let (dy, x) = (data.dy, data.x);
     // One instantiation per combination, so the loops test no flag.
     match (data.mask, dx) {
-        (None, None) => sums_run(s, [dy, x], m, acc),
-        (Some(y), None) => sums_run(s, [dy, x, y], m, acc),
+        (None, None) => sums_run(s, [dy, x], m, acc, &mut NoPace),
+        (Some(y), None) => sums_run(s, [dy, x, y], m, acc, &mut NoPace),
         (None, Some((out, st))) => sums_out_run(s, [dy, x], m, out, st, k1, acc),
         (Some(y), Some((out, st))) => sums_out_run(s, [dy, x, y], m, out, st, k1, acc),
     }
@@ -286,13 +288,15 @@ fn sums_partial<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     (d, (a, b))
 }
 
-/// The sums over one run of `ins` = dy, x (and the mask): whole vectors in two chains.
+/// The sums over one run of `ins` = dy, x (and the mask): whole vectors in four
+/// chains, with [`Pace::step`] after each step of four vectors.
 #[inline(always)]
-fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usize>(
     s: S,
     ins: [&[T]; N],
     m: S::V,
     (mut a, mut b): (S::V, S::V),
+    pace: &mut P,
 ) -> (S::V, S::V) {
     let r = Reads::new(S::LANES, ins, ins[0].len());
     assert!(r.lanes_of(s));
@@ -310,6 +314,7 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         fold(s, &v1, m, &mut a1, &mut b1);
         fold(s, &v2, m, &mut a2, &mut b2);
         fold(s, &v3, m, &mut a3, &mut b3);
+        pace.step(s);
     }
     // The last 0–3 whole vectors, into the first chains, in order.
     let j = r.vectors() / 4 * 4;

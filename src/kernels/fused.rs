@@ -29,11 +29,11 @@ use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn
 use super::backward::{
     self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
 };
-use super::simd::{splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd};
+use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
 use super::{
     apply, channel_tiles, resident_bytes, scratch, side_resident_streamed, ChannelMajorSplit,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES, TILE,
 };
 use crate::element::{Element, Real};
 
@@ -252,6 +252,28 @@ where
     reads: usize,
     stream: bool,
     f: &'r F,
+    /// The row of `c` being written vector by vector beside the reduction
+    /// ([`Pace::step`]), if any (pipelined only).
+    zip: Option<ZipRow<'a, T, N>>,
+    /// Rows ahead of the reduction that the zip's writes prefetch: [`AHEAD_TILES`]
+    /// tiles' rows.
+    ahead: usize,
+}
+
+/// A row of a pipelined pass's output being written four vectors at a time from the
+/// reduction's loop ([`RowsBehind`]'s zip): its whole vectors from the first one that
+/// may be streamed (`walk`; `j..end` in steps of four, then `end..` one by one), and the
+/// elements after them (`tail_*`), written when the row is left.
+struct ZipRow<'a, T, const N: usize> {
+    walk: Walk<'a, T, N>,
+    j: usize,
+    end: usize,
+    stream: bool,
+    /// The rows the writes prefetch, at the walk's start (`pfs` of them).
+    pf: [*const T; 2],
+    pfs: usize,
+    tail_ins: [&'a [T]; N],
+    tail_out: &'a mut [T],
 }
 
 impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize>
@@ -286,62 +308,164 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
             reads,
             stream,
             f,
+            zip: None,
+            ahead: AHEAD_TILES * (TILE / g.inner.max(1)).max(1),
         }
     }
 
-    /// Writes the rows of `c` up to (not including) outer row `end`, each prefetching
-    /// the row of the reduced channel `ahead` rows further (of each input it reads):
-    /// the rows its next tile reads; and of an input it does not read (a side input),
-    /// the row of `c` the next write reads. Without the prefetch the reduction's demand
-    /// loads set the pace (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16
-    /// 1.49 with AVX-512; 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and
-    /// 1.16).
+    /// The rows of the reduced channel (of the inputs the reduction reads) and of a
+    /// side input that the write of `c`'s row `o` (counted in row order) prefetches;
+    /// and the row's index in write order.
+    #[inline(always)]
+    fn prefetched(&self, o: usize, ahead: usize) -> ([Option<&'a [T]>; 2], usize) {
+        let g = self.g;
+        let at = ahead_row(g, &self.span, self.reduced, o + ahead);
+        let ahead_row = |i: usize| {
+            at.filter(|_| i < self.reads)
+                .map(|at| &self.ins[i][at..][..g.inner])
+        };
+        let reversed = self.reduced != self.c;
+        // An input the reduction does not read (the Ex forward's side input) comes
+        // from DRAM, a row of `c` each write, and rows of a channel are a whole
+        // pixel plane of the other channels apart, where no hardware prefetcher
+        // follows: the row the next write reads, prefetched during this one (in
+        // the slot the reduction leaves free). Zen 4, `scripts/ab.sh 3`, NCHW Ex
+        // forward training, time ÷ copy, 64x256x56x56 / 64x64x112x112: bf16
+        // AVX-512 1.18 / 1.16 -> 0.99 / 1.00, AVX2 1.36 / 1.13 -> 0.96 / 0.98; f16
+        // AVX-512 1.29 / 1.08 -> 1.00 / 1.02, AVX2 1.22 / 1.06 -> 0.98 / 1.01; f32
+        // 1.01-1.03 -> 0.92-1.04 (the plain op in the same run: -0.14 to +0.05).
+        let side_next = (self.reads < N && o + 1 < self.span.end).then(|| {
+            row_of(
+                g,
+                self.ins,
+                self.c,
+                write_order(&self.span, o + 1, reversed),
+            )[N - 1]
+        });
+        (
+            [ahead_row(0), ahead_row(1).or(side_next)],
+            write_order(&self.span, o, reversed),
+        )
+    }
+
+    /// Leaves the zip's row, writing what is left of it. Inline code with no call
+    /// (as all of the zip that runs in the reduction's loop): a call there made the
+    /// compiler keep the reduction's sums on the stack across the loop (perf, NCHW
+    /// 64x64x112x112 f16 forward training, 1.0 -> 1.8 of a copy).
+    #[inline(always)]
+    fn zip_finish(&mut self) {
+        let Some(mut z) = self.zip.take() else {
+            return;
+        };
+        let (w, k, f) = (self.w, self.k, self.f);
+        while z.j < z.end {
+            // SAFETY: as in `step`.
+            unsafe { apply::zip_four(w, &mut z.walk, z.j, k, f, z.stream, z.pf, z.pfs) };
+            z.j += 4;
+        }
+        for j in z.end..z.walk.vectors() {
+            let v = f.eval(w, z.walk.load(w, j), k);
+            if z.stream {
+                z.walk.store::<S, true>(w, j, v);
+            } else {
+                z.walk.store::<S, false>(w, j, v);
+            }
+        }
+        if !z.tail_out.is_empty() {
+            let n = z.tail_out.len();
+            let v = f.eval(w, load_partial_n(w, &z.tail_ins, 0, n), k);
+            w.store_partial(z.tail_out, v);
+        }
+    }
+
+    /// The zip's next row: what is left of the current one written, the next row of
+    /// `c` started, its elements before the first vector that may be streamed written
+    /// now, as [`run_splat`] writes them: those before a whole vector by an ordinary
+    /// store, and where the ISA streams whole pairs only from a wider alignment, a first
+    /// vector alone. (A row with no step of four vectors after that is written whole.)
+    #[inline(always)]
+    fn zip_next(&mut self) {
+        self.zip_finish();
+        if self.next >= self.span.end {
+            return;
+        }
+        let (g, w, k, f) = (self.g, self.w, self.k, self.f);
+        let l = S::LANES;
+        let o = self.next;
+        self.next += 1;
+        let (pf, o) = self.prefetched(o, self.ahead);
+        let ins = row_of(g, self.ins, self.c, o);
+        let out = self.rows.take_row(self.c, o);
+        let pair = w.pair_stream_align::<T>();
+        let can = self.stream
+            && S::HINTS
+            && pair == w.cl_stream_align::<T>()
+            && (pair == l || pair == 2 * l);
+        let head = apply::head_len(out, l, can);
+        let (head_out, out) = out.split_at_mut(head);
+        if head > 0 {
+            let v = f.eval(w, load_partial_n(w, &ins, 0, head), k);
+            w.store_partial(head_out, v);
+        }
+        let vectors = out.len() / l;
+        let (body_out, tail_out) = out.split_at_mut(vectors * l);
+        let mut walk = Walk::new(l, sub_n(&ins, head, Some(vectors * l)), body_out);
+        let stream = can && walk.aligned();
+        let first = usize::from(
+            stream && pair > l && vectors > 0 && !walk.aligned_to(pair * size_of::<T>()),
+        );
+        if first == 1 {
+            let v = f.eval(w, walk.load(w, 0), k);
+            walk.store::<S, true>(w, 0, v);
+        }
+        // The prefetched rows first (`zip_four` hints the first `pfs`).
+        let (mut at, mut pfs) = ([std::ptr::null(); 2], 0);
+        for p in pf.iter().flatten() {
+            at[pfs] = p.as_ptr().wrapping_add(head);
+            pfs += 1;
+        }
+        self.zip = Some(ZipRow {
+            walk,
+            j: first,
+            end: first + (vectors - first) / 4 * 4,
+            stream,
+            pf: at,
+            pfs,
+            tail_ins: sub_n(&ins, head + vectors * l, None),
+            tail_out,
+        });
+    }
+
+    /// Writes the rows of `c` up to (not including) outer row `end` (after what is left
+    /// of the zip's row, if it has any to write), each prefetching the row of the
+    /// reduced channel `ahead` rows further (of each input it reads): the rows its next
+    /// tile reads; and of an input it does not read (a side input), the row of `c` the
+    /// next write reads. Without the prefetch the reduction's demand loads set the pace
+    /// (NCHW 64x256x56x56 forward training f32 1.19 of a copy, bf16 1.49 with AVX-512;
+    /// 1.04 and 1.20 with it, one row ahead; two rows: 1.07 and 1.16).
     #[inline(always)]
     fn upto(&mut self, end: usize, ahead: usize) {
-        let w = self.w;
-        w.outline(Upto {
-            behind: self,
-            end,
-            ahead,
-        });
+        if self.next < end || (end >= self.span.end && self.zip.is_some()) {
+            let w = self.w;
+            w.outline(Upto {
+                behind: self,
+                end,
+                ahead,
+            });
+        }
     }
 
     /// [`RowsBehind::upto`]'s loop, inlined into the function [`Upto`] outlines.
     #[inline(always)]
     fn upto_here(&mut self, end: usize, ahead: usize) {
+        self.zip_finish();
         let g = self.g;
         while self.next < end {
-            let o = self.next;
-            // The rows of the reduced channel that its next tile reads.
-            let at = ahead_row(g, &self.span, self.reduced, o + ahead);
-            let ahead_row = |i: usize| {
-                at.filter(|_| i < self.reads)
-                    .map(|at| &self.ins[i][at..][..g.inner])
-            };
-            let reversed = self.reduced != self.c;
-            // An input the reduction does not read (the Ex forward's side input) comes
-            // from DRAM, a row of `c` each write, and rows of a channel are a whole
-            // pixel plane of the other channels apart, where no hardware prefetcher
-            // follows: the row the next write reads, prefetched during this one (in
-            // the slot the reduction leaves free). Zen 4, `scripts/ab.sh 3`, NCHW Ex
-            // forward training, time ÷ copy, 64x256x56x56 / 64x64x112x112: bf16
-            // AVX-512 1.18 / 1.16 -> 0.99 / 1.00, AVX2 1.36 / 1.13 -> 0.96 / 0.98; f16
-            // AVX-512 1.29 / 1.08 -> 1.00 / 1.02, AVX2 1.22 / 1.06 -> 0.98 / 1.01; f32
-            // 1.01-1.03 -> 0.92-1.04 (the plain op in the same run: -0.14 to +0.05).
-            let side_next = (self.reads < N && o + 1 < self.span.end).then(|| {
-                row_of(
-                    g,
-                    self.ins,
-                    self.c,
-                    write_order(&self.span, o + 1, reversed),
-                )[N - 1]
-            });
-            let pf = [ahead_row(0), ahead_row(1).or(side_next)];
-            let o = write_order(&self.span, o, reversed);
+            let (pf, o) = self.prefetched(self.next, ahead);
             run_splat(
                 self.w,
                 row_of(g, self.ins, self.c, o),
-                self.rows.row(self.c, o),
+                self.rows.take_row(self.c, o),
                 self.k,
                 self.stream,
                 false,
@@ -375,12 +499,49 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
 impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Pace<S>
     for RowsBehind<'_, '_, T, S, F, N, K>
 {
+    /// Pipelined, the writes ride in the reduction's steps ([`Pace::step`]); a tile
+    /// only catches up rows the steps did not reach (rows of fewer than four vectors
+    /// give the reduction no step).
     #[inline(always)]
     fn tile_done(&mut self, _: S, tile: Tile) {
         self.upto(
             tile.rows_done(self.g, self.reduced),
             AHEAD_TILES * tile.count,
         );
+    }
+
+    /// Pipelined: four vectors of `c`'s output written beside each step of the reduction
+    /// of `c + 1`, whose loads and these stores then mix instruction by instruction as
+    /// in a copy (the zip).
+    #[inline(always)]
+    fn step(&mut self, _: S) {
+        if self.reduced == self.c {
+            return;
+        }
+        if let Some(z) = &mut self.zip {
+            if z.j < z.end {
+                // SAFETY: `j + 4 <= end <= vectors` (`end − first` a multiple of 4,
+                // `j` stepped by 4 from `first`), the walk made with `S::LANES`; with
+                // `stream`, `zip_next` checked the ISA and the alignments, and vector
+                // `first` (so every fourth after it) starts at a multiple of
+                // `pair_stream_align`.
+                unsafe {
+                    apply::zip_four(
+                        self.w,
+                        &mut z.walk,
+                        z.j,
+                        self.k,
+                        self.f,
+                        z.stream,
+                        z.pf,
+                        z.pfs,
+                    )
+                };
+                z.j += 4;
+                return;
+            }
+        }
+        self.zip_next();
     }
 }
 
@@ -441,6 +602,13 @@ impl<S, B: Pace<S>, M: FnOnce() -> B> Pace<S> for WhenPublished<'_, B, M> {
         }
         if let Some(b) = &mut self.behind {
             b.tile_done(s, tile);
+        }
+    }
+
+    #[inline(always)]
+    fn step(&mut self, s: S) {
+        if let Some(b) = &mut self.behind {
+            b.step(s);
         }
     }
 }

@@ -674,12 +674,39 @@ pub(crate) struct TaskRows<'a, T> {
     blocks: Vec<&'a mut [T]>,
 }
 
-impl<T> TaskRows<'_, T> {
-    /// The output row of channel `c` at outer index `o` (both within the task).
+impl<'a, T> TaskRows<'a, T> {
+    /// The first channel still held by the block of outer index `o`: rows taken by
+    /// [`TaskRows::take_row`] leave it.
+    #[inline(always)]
+    fn first_channel(&self, i: usize) -> usize {
+        match self.inner {
+            0 => self.task.c0,
+            n => self.task.c1 - self.blocks[i].len() / n,
+        }
+    }
+
+    /// The output row of channel `c` at outer index `o` (both within the task; not a
+    /// row taken by [`TaskRows::take_row`]).
     #[inline(always)]
     pub fn row(&mut self, c: usize, o: usize) -> &mut [T] {
-        let t = self.task;
-        &mut self.blocks[o - t.o0][(c - t.c0) * self.inner..][..self.inner]
+        let i = o - self.task.o0;
+        let first = self.first_channel(i);
+        &mut self.blocks[i][(c - first) * self.inner..][..self.inner]
+    }
+
+    /// The output row of channel `c` at outer index `o`, taken out of the task's rows
+    /// for the life of the output (a writer may then hold it across calls). Rows of
+    /// lower channels at `o` still held are given up: a pass takes its rows channel by
+    /// channel, in order. Panics if the row of `c` at `o` was taken already.
+    #[inline(always)]
+    pub fn take_row(&mut self, c: usize, o: usize) -> &'a mut [T] {
+        let i = o - self.task.o0;
+        let first = self.first_channel(i);
+        let block = std::mem::take(&mut self.blocks[i]);
+        let rest = &mut block[(c - first) * self.inner..];
+        let (row, rest) = rest.split_at_mut(self.inner);
+        self.blocks[i] = rest;
+        row
     }
 }
 
@@ -811,6 +838,12 @@ impl Tile {
 pub(crate) trait Pace<S> {
     /// Called after each `tile` of the reduction, in order.
     fn tile_done(&mut self, s: S, tile: Tile);
+    /// Called once per step of a reduction's main loop (four whole vectors of each
+    /// input it reads), for work to interleave with its loads instruction by
+    /// instruction rather than tile by tile (`fused::RowsBehind`'s zip). Nothing by
+    /// default.
+    #[inline(always)]
+    fn step(&mut self, _s: S) {}
 }
 
 /// No work between tiles: a plain reduction.

@@ -188,7 +188,7 @@ pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: P
         } else {
             first_pivot(s, tile, x)
         };
-        m = m.merge(tile_moments_around(s, tile, x, k));
+        m = m.merge(tile_moments_around(s, tile, x, k, pace));
         pace.tile_done(s, tile);
     }
     m
@@ -207,20 +207,21 @@ fn first_pivot<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, tile: Tile, x: &
 /// The moments of one tile: from sums around the shift `k` when it is close enough to
 /// the tile's mean ([`well_shifted`]), exactly in two passes otherwise.
 #[inline(always)]
-fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     tile: Tile,
     x: &[T],
     k: Option<U>,
+    pace: &mut P,
 ) -> Moments {
     let (n, pieces) = (tile.len(), tile.pieces(x));
     if let Some(k) = k {
-        let (s1, s2) = deviation_sums(s, pieces.clone(), k);
+        let (s1, s2) = deviation_sums(s, pieces.clone(), k, pace);
         if well_shifted(n, s1, s2) {
             return Moments::from_pivot(n, k.to_f64(), s1, s2);
         }
     }
-    tile_moments(s, pieces, n)
+    tile_moments(s, pieces, n, pace)
 }
 
 /// [`channel_rows_in`] for channels `c0..c1` whose rows `[o0, o1)` make one tile each
@@ -249,7 +250,7 @@ fn single_tile_channels<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     }
     let mut tile = first;
     for k in pivots {
-        out.push(Moments::EMPTY.merge(tile_moments_around(s, tile, x, k)));
+        out.push(Moments::EMPTY.merge(tile_moments_around(s, tile, x, k, &mut NoPace)));
         tile.start += inner;
     }
 }
@@ -286,12 +287,14 @@ fn all_well_shifted<U: Real>(inv_n: f64, sum1: &[U], sum2: &[U]) -> bool {
     })
 }
 
-/// `(Σ(x − k), Σ(x − k)²)` over the pieces, in `U` lanes summed in `f64`.
+/// `(Σ(x − k), Σ(x − k)²)` over the pieces, in `U` lanes summed in `f64`, with
+/// [`Pace::step`] after each step of four vectors.
 #[inline(always)]
-fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
+fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     pieces: impl Iterator<Item = &'a [T]>,
     k: U,
+    pace: &mut P,
 ) -> (f64, f64) {
     let (kv, zero) = (s.splat(k), s.splat(U::ZERO));
     let (mut s1, mut s2, mut r1, mut r2) = (zero, zero, zero, zero);
@@ -321,6 +324,7 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
             u2 = s.mul_add(c, c, u2);
             v1 = s.add(v1, e);
             v2 = s.mul_add(e, e, v2);
+            pace.step(s);
         }
         // The last 0–3 whole vectors, into the first chains, in order.
         let j = r.vectors() / 4 * 4;
@@ -409,13 +413,14 @@ fn channel_major<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
 
 /// Exact two-pass moments of one cache-resident tile of `n` elements.
 #[inline(always)]
-fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>>(
+fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     pieces: impl Iterator<Item = &'a [T]> + Clone,
     n: usize,
+    pace: &mut P,
 ) -> Moments {
     let pivot = U::from_f64(lane_sums(s, pieces.clone()) / n as f64);
-    let (s1, s2) = deviation_sums(s, pieces, pivot);
+    let (s1, s2) = deviation_sums(s, pieces, pivot, pace);
     Moments::from_pivot(n, pivot.to_f64(), s1, s2)
 }
 
