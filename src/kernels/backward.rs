@@ -302,6 +302,7 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
     assert!(r.lanes_of(s));
     let zero = s.splat(U::ZERO);
     let (mut a1, mut b1, mut a2, mut b2, mut a3, mut b3) = (zero, zero, zero, zero, zero, zero);
+    let mut z = pace.zip_take();
     // Four vectors a step, in four chains of sums: with two, the loop waited on the
     // latency of its additions (as `stats::deviation_sums`, and as there loaded as two
     // pairs in the ISA's pair order: every lane has the same mean here).
@@ -314,8 +315,9 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
         fold(s, &v1, m, &mut a1, &mut b1);
         fold(s, &v2, m, &mut a2, &mut b2);
         fold(s, &v3, m, &mut a3, &mut b3);
-        pace.step(s);
+        pace.step(s, &mut z);
     }
+    pace.zip_put(z);
     // The last 0–3 whole vectors, into the first chains, in order.
     let j = r.vectors() / 4 * 4;
     if j < r.vectors() {

@@ -254,7 +254,7 @@ where
     f: &'r F,
     /// The row of `c` being written vector by vector beside the reduction
     /// ([`Pace::step`]), if any (pipelined only).
-    zip: Option<ZipRow<'a, T, N>>,
+    zip: Option<ZipRow<'a, T, S, N, K>>,
     /// Rows ahead of the reduction that the zip's writes prefetch: [`AHEAD_TILES`]
     /// tiles' rows.
     ahead: usize,
@@ -264,7 +264,11 @@ where
 /// reduction's loop ([`RowsBehind`]'s zip): its whole vectors from the first one that
 /// may be streamed (`walk`; `j..end` in steps of four, then `end..` one by one), and the
 /// elements after them (`tail_*`), written when the row is left.
-struct ZipRow<'a, T, const N: usize> {
+struct ZipRow<'a, T: Element, S: Simd<T::Stat>, const N: usize, const K: usize> {
+    /// The writer's token and constants ([`RowsBehind`]'s `w` and `k`), here so that
+    /// the reduction's loop keeps them in its own locals.
+    w: S,
+    k: [S::V; K],
     walk: Walk<'a, T, N>,
     j: usize,
     end: usize,
@@ -357,7 +361,7 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
         let Some(mut z) = self.zip.take() else {
             return;
         };
-        let (w, k, f) = (self.w, self.k, self.f);
+        let (w, k, f) = (z.w, z.k, self.f);
         while z.j < z.end {
             // SAFETY: as in `step`.
             unsafe { apply::zip_four(w, &mut z.walk, z.j, k, f, z.stream, z.pf, z.pfs) };
@@ -425,6 +429,8 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
             pfs += 1;
         }
         self.zip = Some(ZipRow {
+            w,
+            k,
             walk,
             j: first,
             end: first + (vectors - first) / 4 * 4,
@@ -496,8 +502,8 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     }
 }
 
-impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Pace<S>
-    for RowsBehind<'_, '_, T, S, F, N, K>
+impl<'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Pace<S>
+    for RowsBehind<'_, 'a, T, S, F, N, K>
 {
     /// Pipelined, the writes ride in the reduction's steps ([`Pace::step`]); a tile
     /// only catches up rows the steps did not reach (rows of fewer than four vectors
@@ -510,39 +516,59 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
         );
     }
 
+    type Zip = Option<ZipRow<'a, T, S, N, K>>;
+
+    #[inline(always)]
+    fn zip_take(&mut self) -> Self::Zip {
+        self.zip.take()
+    }
+
+    #[inline(always)]
+    fn zip_put(&mut self, z: Self::Zip) {
+        self.zip = z;
+    }
+
     /// Pipelined: four vectors of `c`'s output written beside each step of the reduction
     /// of `c + 1`, whose loads and these stores then mix instruction by instruction as
     /// in a copy (the zip).
     #[inline(always)]
-    fn step(&mut self, _: S) {
-        if self.reduced == self.c {
+    fn step(&mut self, _: S, z: &mut Self::Zip) {
+        if !zips::<T>() {
             return;
         }
-        if let Some(z) = &mut self.zip {
-            if z.j < z.end {
+        if let Some(r) = z {
+            if r.j < r.end {
                 // SAFETY: `j + 4 <= end <= vectors` (`end − first` a multiple of 4,
                 // `j` stepped by 4 from `first`), the walk made with `S::LANES`; with
                 // `stream`, `zip_next` checked the ISA and the alignments, and vector
                 // `first` (so every fourth after it) starts at a multiple of
                 // `pair_stream_align`.
                 unsafe {
-                    apply::zip_four(
-                        self.w,
-                        &mut z.walk,
-                        z.j,
-                        self.k,
-                        self.f,
-                        z.stream,
-                        z.pf,
-                        z.pfs,
-                    )
+                    apply::zip_four(r.w, &mut r.walk, r.j, r.k, self.f, r.stream, r.pf, r.pfs)
                 };
-                z.j += 4;
+                r.j += 4;
                 return;
             }
         }
-        self.zip_next();
+        self.zip = z.take();
+        if self.reduced != self.c {
+            self.zip_next();
+        }
+        *z = self.zip.take();
     }
+}
+
+/// Whether a pipelined pass over elements of type `T` writes its rows in the
+/// reduction's steps (the zip, [`RowsBehind`]'s `step`) rather than after each tile:
+/// for 32-bit elements. Zen 4, `scripts/ab.sh 5`, NCHW 64x256x56x56 and 64x64x112x112,
+/// forward and backward training, time ÷ copy, tile pacing -> zip: f32 lower in 4 of 4
+/// cells with AVX-512 (forward 64x256x56x56 0.895 -> 0.746, backward 1.009 -> 0.894)
+/// and 3 of 4 with AVX2 (forward 64x256x56x56 0.892 -> 0.780); 16-bit higher in 5 of 8
+/// cells with AVX-512 (bf16 forward 64x64x112x112 0.979 -> 1.090) and 8 of 8 with AVX2
+/// (bf16 forward 64x256x56x56 1.085 -> 1.313), where a step's narrowing and widening
+/// leave less room beside the reduction (16 vector registers with AVX2).
+const fn zips<T>() -> bool {
+    size_of::<T>() == 4
 }
 
 /// How many tiles ahead of the reduction a pipelined pass's row writes prefetch the
@@ -595,6 +621,23 @@ impl<'e, B, M: FnOnce() -> B> WhenPublished<'e, B, M> {
 }
 
 impl<S, B: Pace<S>, M: FnOnce() -> B> Pace<S> for WhenPublished<'_, B, M> {
+    type Zip = B::Zip;
+
+    #[inline(always)]
+    fn zip_take(&mut self) -> B::Zip {
+        self.behind
+            .as_mut()
+            .map(|b| b.zip_take())
+            .unwrap_or_default()
+    }
+
+    #[inline(always)]
+    fn zip_put(&mut self, z: B::Zip) {
+        if let Some(b) = &mut self.behind {
+            b.zip_put(z);
+        }
+    }
+
     #[inline(always)]
     fn tile_done(&mut self, s: S, tile: Tile) {
         if self.behind.is_none() && self.ex.published(self.c) {
@@ -606,9 +649,9 @@ impl<S, B: Pace<S>, M: FnOnce() -> B> Pace<S> for WhenPublished<'_, B, M> {
     }
 
     #[inline(always)]
-    fn step(&mut self, s: S) {
+    fn step(&mut self, s: S, z: &mut B::Zip) {
         if let Some(b) = &mut self.behind {
-            b.step(s);
+            b.step(s, z);
         }
     }
 }
@@ -1887,6 +1930,7 @@ mod tests {
     fn rows_are_written_behind_once_the_channel_is_published() {
         struct Count(usize);
         impl Pace<()> for Count {
+            type Zip = ();
             fn tile_done(&mut self, _: (), _: Tile) {
                 self.0 += 1;
             }

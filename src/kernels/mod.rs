@@ -838,18 +838,32 @@ impl Tile {
 pub(crate) trait Pace<S> {
     /// Called after each `tile` of the reduction, in order.
     fn tile_done(&mut self, s: S, tile: Tile);
+    /// The state of the work a reduction's main loop interleaves with its loads
+    /// ([`Pace::step`]), which the loop keeps in locals of its own (so in registers,
+    /// not reloaded from memory each step, where a load may wait on a streaming store
+    /// of the output that matches its low 12 address bits).
+    type Zip: Default;
+    /// The state, taken before a reduction's loop.
+    #[inline(always)]
+    fn zip_take(&mut self) -> Self::Zip {
+        Self::Zip::default()
+    }
+    /// The state, given back after the loop.
+    #[inline(always)]
+    fn zip_put(&mut self, _z: Self::Zip) {}
     /// Called once per step of a reduction's main loop (four whole vectors of each
     /// input it reads), for work to interleave with its loads instruction by
     /// instruction rather than tile by tile (`fused::RowsBehind`'s zip). Nothing by
     /// default.
     #[inline(always)]
-    fn step(&mut self, _s: S) {}
+    fn step(&mut self, _s: S, _z: &mut Self::Zip) {}
 }
 
 /// No work between tiles: a plain reduction.
 pub(crate) struct NoPace;
 
 impl<S> Pace<S> for NoPace {
+    type Zip = ();
     #[inline(always)]
     fn tile_done(&mut self, _s: S, _tile: Tile) {}
 }

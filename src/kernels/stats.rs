@@ -302,6 +302,7 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     let (mut t1, mut t2) = (0f64, 0f64);
     // The shift, as a slice a partial vector is loaded from.
     let kp = [k; 16];
+    let mut z = pace.zip_take();
     for p in pieces {
         let r = Reads::new(S::LANES, [p], p.len());
         assert!(r.lanes_of(s));
@@ -324,7 +325,7 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
             u2 = s.mul_add(c, c, u2);
             v1 = s.add(v1, e);
             v2 = s.mul_add(e, e, v2);
-            pace.step(s);
+            pace.step(s, &mut z);
         }
         // The last 0–3 whole vectors, into the first chains, in order.
         let j = r.vectors() / 4 * 4;
@@ -371,6 +372,7 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
             }
         }
     }
+    pace.zip_put(z);
     let (s1, s2) = (
         s.add(s.add(s1, r1), s.add(u1, v1)),
         s.add(s.add(s2, r2), s.add(u2, v2)),
