@@ -403,6 +403,48 @@ fn channel_major_channels_in_an_even_number_of_chunks() {
     check_all(nchw_training(&[[40, 128, 256, 2], [128, 112, 112, 2]]), 8);
 }
 
+/// The pipelined resident passes write a channel's rows inside the next channel's
+/// reduction, four vectors a step (the zip of `fused::RowsBehind`, 32-bit elements):
+/// short rows of a few steps and a tail (13×17, resident only in a tensor past the
+/// 16 MiB rule), whole steps (56×56), steps and a rest (32×35) and an odd length
+/// (37×41); f32 channels of 72 KB to 2.3 MB, so every task pipelines; forward, gradient,
+/// the Ex forward with a side input and ReLU and the Ex gradient with ReLU (a mask, no
+/// side input), far from zero, training, f32 and (paced by tiles, the control) bf16,
+/// every supported ISA.
+#[test]
+fn rows_written_in_the_reductions_steps() {
+    let mut cases = Vec::new();
+    for shape in [
+        [2600, 13, 17, 4],
+        [8, 56, 56, 6],
+        [18, 32, 35, 6],
+        [12, 37, 41, 6],
+    ] {
+        for (op, side, relu) in [
+            (Op::FusedBatchNormV3, false, false),
+            (Op::FusedBatchNormGradV3, false, false),
+            (Op::FusedBatchNormEx, true, true),
+            (Op::FusedBatchNormGradEx, false, true),
+        ] {
+            for isa in fusedbn::Isa::supported() {
+                for dtype in [DType::F32, DType::BF16] {
+                    let case = Case::new(op, DataFormat::Nchw, &shape, dtype)
+                        .expect("valid case")
+                        .training(true)
+                        .fill(far(dtype))
+                        .isa(isa);
+                    cases.push(if op.is_ex() {
+                        case.ex(side, relu)
+                    } else {
+                        case
+                    });
+                }
+            }
+        }
+    }
+    check_all(cases, 64);
+}
+
 /// Channel-major channels of a million elements that stay resident under the 8 MiB
 /// `RESIDENT_BYTES` limit: NCHW 1x1000x1000x2, 1,000,000 elements a channel, so x alone
 /// (forward: 4 MB in f32) and dy with x (gradient: 8 MB in f32, 4 MB in bf16) fit it,
