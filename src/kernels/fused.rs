@@ -226,12 +226,14 @@ fn write_order(span: &Range<usize>, i: usize, reversed: bool) -> usize {
 
 /// Writes the output rows of a resident channel `c` (from its still-cached input rows)
 /// while the reduction of channel `reduced` (the next one) walks the same outer rows:
-/// after each tile of that reduction, the rows of `c` whose counterparts it has
-/// finished. The DRAM reads of the next channel then overlap the writes of this one,
-/// as in a copy; one after the other (the reduction, then the output while the next
-/// channel was prefetched) the reduction waited on reads that the prefetch had not
-/// brought into L2 (an Intel Xeon with a 2 MiB L2: the moments of a prefetched 800 KB
-/// channel took 61 us, 15 us from L2, 98 us from DRAM).
+/// for 32-bit elements four vectors of `c` in each step of that reduction's loop (the
+/// zip: [`Pace::step`], [`zips`]), for 16-bit ones after each tile the rows of `c`
+/// whose counterparts it has finished (and for either, after a tile, any rows the
+/// steps did not reach). The DRAM reads of the next channel then overlap the writes of
+/// this one, as in a copy; one after the other (the reduction, then the output while
+/// the next channel was prefetched) the reduction waited on reads that the prefetch had
+/// not brought into L2 (an Intel Xeon with a 2 MiB L2: the moments of a prefetched 800
+/// KB channel took 61 us, 15 us from L2, 98 us from DRAM).
 struct RowsBehind<'r, 'a, T, S: Simd<T::Stat>, F, const N: usize, const K: usize>
 where
     T: Element,
@@ -353,9 +355,10 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
     }
 
     /// Leaves the zip's row, writing what is left of it. Inline code with no call
-    /// (as all of the zip that runs in the reduction's loop): a call there made the
-    /// compiler keep the reduction's sums on the stack across the loop (perf, NCHW
-    /// 64x64x112x112 f16 forward training, 1.0 -> 1.8 of a copy).
+    /// (as all of the zip that runs in the reduction's loop): a call there (to an
+    /// outlined row change) made the compiler keep the reduction's sums on the stack
+    /// across the loop (perf, Zen 4, NCHW 64x64x112x112 f16 forward training with
+    /// AVX-512, 1.05 -> 1.83 of a copy).
     #[inline(always)]
     fn zip_finish(&mut self) {
         let Some(mut z) = self.zip.take() else {
@@ -560,13 +563,18 @@ impl<'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const 
 
 /// Whether a pipelined pass over elements of type `T` writes its rows in the
 /// reduction's steps (the zip, [`RowsBehind`]'s `step`) rather than after each tile:
-/// for 32-bit elements. Zen 4, `scripts/ab.sh 5`, NCHW 64x256x56x56 and 64x64x112x112,
-/// forward and backward training, time ÷ copy, tile pacing -> zip: f32 lower in 4 of 4
-/// cells with AVX-512 (forward 64x256x56x56 0.895 -> 0.746, backward 1.009 -> 0.894)
-/// and 3 of 4 with AVX2 (forward 64x256x56x56 0.892 -> 0.780); 16-bit higher in 5 of 8
-/// cells with AVX-512 (bf16 forward 64x64x112x112 0.979 -> 1.090) and 8 of 8 with AVX2
-/// (bf16 forward 64x256x56x56 1.085 -> 1.313), where a step's narrowing and widening
-/// leave less room beside the reduction (16 vector registers with AVX2).
+/// for 32-bit elements. In the C model `scripts/models/resident_pipe.c` the zip took
+/// 0.89 of a memcpy where the walk by tiles took 0.96. In the library (Zen 4,
+/// `scripts/ab.sh 5`, NCHW 64x256x56x56 and 64x64x112x112, forward and backward
+/// training, time ÷ copy, tiles -> zip): f32 lower in all 8 cells (forward
+/// 64x256x56x56 0.894 -> 0.781 with AVX-512 and 0.907 -> 0.784 with AVX2, backward
+/// 64x64x112x112 with AVX2 1.219 -> 1.070; mean -0.10 with each ISA), and in 7 of 8
+/// and 6 of 8 in two earlier runs. 16-bit, two runs of 16 cells: with AVX2 higher in 8
+/// and 3 of 8 (bf16 forward 64x256x56x56 1.085 -> 1.313, mean +0.16 and +0.04); with
+/// AVX-512 lower in 3 and 5 of 8 (mean +0.02 and -0.03), higher at 64x256x56x56 in
+/// both (bf16 forward 1.012 -> 1.212 in the second). A step of 16-bit data widens and
+/// narrows as well as it loads and stores, and AVX2 has 16 vector registers for the
+/// reduction's eight sums and the writer's constants: not taken for 16-bit.
 const fn zips<T>() -> bool {
     size_of::<T>() == 4
 }
