@@ -467,29 +467,10 @@ fn splat_body<
         if AHEAD {
             w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
         }
-        for p in &pf[..PF] {
-            // One hint per line of the pair, not per vector (a pair of 16-bit AVX2
-            // vectors is half a line: four hints a line with two prefetched inputs).
-            s.prefetch_lines(p.wrapping_add(j * S::LANES), 2 * S::LANES);
-            if half_line_hints::<T>() {
-                // 32-bit data: a second hint 32 bytes into each line (see
-                // `half_line_hints`).
-                let half = 32 / size_of::<T>();
-                s.prefetch_lines(p.wrapping_add(j * S::LANES + half), 2 * S::LANES - half);
-            }
-        }
         // SAFETY: `j + 1 < first + 2·((total − first) / 2) <= total`; lanes checked
-        // above.
-        let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };
-        let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
-        if STREAM {
-            // SAFETY: as for the load; the pair starts at a multiple of
-            // `cl_stream_align` elements (asserted above).
-            unsafe { w.stream_pair_cl_unchecked::<S, true>(s, j, a, b) };
-        } else {
-            // SAFETY: as for the load.
-            unsafe { w.store_pair_unchecked::<S, false>(s, j, a, b) };
-        }
+        // above; streamed, the pair starts at a multiple of `cl_stream_align` elements
+        // (asserted above).
+        unsafe { splat_pair(s, w, j, k, f, STREAM, &pf[..PF]) };
     }
     if (total - first) % 2 == 1 {
         let j = total - 1;
@@ -498,6 +479,52 @@ fn splat_body<
         }
         let v = f.eval(s, w.load(s, j), k);
         w.store::<S, STREAM>(s, j, v);
+    }
+}
+
+/// Vectors `j` and `j + 1` of `w` written (streamed with `stream`), each line of them
+/// hinted in every row of `pf` first: the pair step of [`splat_body`] and of the zip
+/// ([`zip_four`]).
+///
+/// # Safety
+/// `j + 1 < w.vectors()` and `w.reads.lanes_of(s)`; with `stream`, the ISA has hints,
+/// the output is [`Walk::aligned`] and vector `j` starts at a multiple of
+/// `Simd::cl_stream_align` elements.
+#[inline(always)]
+unsafe fn splat_pair<U, S, T, F, const N: usize, const K: usize>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j: usize,
+    k: [S::V; K],
+    f: &F,
+    stream: bool,
+    pf: &[*const T],
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    F: VectorFn<N, K>,
+{
+    for p in pf {
+        // One hint per line of the pair, not per vector (a pair of 16-bit AVX2
+        // vectors is half a line: four hints a line with two prefetched inputs).
+        s.prefetch_lines(p.wrapping_add(j * S::LANES), 2 * S::LANES);
+        if half_line_hints::<T>() {
+            // 32-bit data: a second hint 32 bytes into each line (see
+            // `half_line_hints`).
+            let half = 32 / size_of::<T>();
+            s.prefetch_lines(p.wrapping_add(j * S::LANES + half), 2 * S::LANES - half);
+        }
+    }
+    // SAFETY: `j + 1 < vectors` and the lanes (the caller's guarantee).
+    let (x, y) = unsafe { w.reads.load_pair_unchecked(s, j) };
+    let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
+    if stream {
+        // SAFETY: as for the load, and the alignment (the caller's guarantee).
+        unsafe { w.stream_pair_cl_unchecked::<S, true>(s, j, a, b) };
+    } else {
+        // SAFETY: as for the load.
+        unsafe { w.store_pair_unchecked::<S, false>(s, j, a, b) };
     }
 }
 
@@ -558,25 +585,12 @@ unsafe fn zip_pairs<U, S, T, F, const N: usize, const K: usize>(
     T: Element<Stat = U>,
     F: VectorFn<N, K>,
 {
+    let pf = &pf[..pfs.min(2)];
     for jj in [j, j + 2] {
-        for p in pf.iter().take(pfs) {
-            s.prefetch_lines(p.wrapping_add(jj * S::LANES), 2 * S::LANES);
-            if half_line_hints::<T>() {
-                let half = 32 / size_of::<T>();
-                s.prefetch_lines(p.wrapping_add(jj * S::LANES + half), 2 * S::LANES - half);
-            }
-        }
-        // SAFETY: `jj + 1 < j + 4 <= vectors`; lanes (the caller's guarantee).
-        let (x, y) = unsafe { w.reads.load_pair_unchecked(s, jj) };
-        let (a, b) = (f.eval(s, x, k), f.eval(s, y, k));
-        if stream {
-            // SAFETY: as for the load; vector `j` starts at a multiple of
-            // `cl_stream_align` elements (the caller's guarantee), and so does `j + 2`.
-            unsafe { w.stream_pair_cl_unchecked::<S, true>(s, jj, a, b) };
-        } else {
-            // SAFETY: as for the load.
-            unsafe { w.store_pair_unchecked::<S, false>(s, jj, a, b) };
-        }
+        // SAFETY: `jj + 1 < j + 4 <= vectors`; lanes (the caller's guarantee); streamed,
+        // vector `j` starts at a multiple of `cl_stream_align` elements (the caller's
+        // guarantee), and so does `j + 2`.
+        unsafe { splat_pair(s, w, jj, k, f, stream, pf) };
     }
 }
 
