@@ -425,6 +425,7 @@ fn rows_written_in_the_reductions_steps() {
             (Op::FusedBatchNormGradV3, false, false),
             (Op::FusedBatchNormEx, true, true),
             (Op::FusedBatchNormGradEx, false, true),
+            (Op::FusedBatchNormGradEx, true, true),
         ] {
             for isa in fusedbn::Isa::supported() {
                 for dtype in [DType::F32, DType::BF16] {

@@ -226,24 +226,25 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
 }
 
 /// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc` (dy masked to
-/// `mask > 0` when given); with `dx`, also writes `dx = dy·k1` (the inference
-/// gradient — or, with `k1 = 1`, the masked dy itself), fused into the same read.
+/// `mask > 0` when given) and writes `dx = dy·k1` (the inference gradient — or, with
+/// `k1 = 1`, the masked dy itself), fused into the same read, streamed when `stream`;
+/// with [`Pace::step`] of `pace` after each step of four vectors of the run's body.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+pub(crate) fn row_sums_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     data: GradData<'_, T>,
     m: S::V,
-    dx: Option<(&mut [T], bool)>,
+    (dx, stream): (&mut [T], bool),
     k1: S::V,
     acc: (S::V, S::V),
+    pace: &mut P,
 ) -> (S::V, S::V) {
     let (dy, x) = (data.dy, data.x);
-    // One instantiation per combination, so the loops test no flag.
-    match (data.mask, dx) {
-        (None, None) => sums_run(s, [dy, x], m, acc, &mut NoPace),
-        (Some(y), None) => sums_run(s, [dy, x, y], m, acc, &mut NoPace),
-        (None, Some((out, st))) => sums_out_run(s, [dy, x], m, out, st, k1, acc),
-        (Some(y), Some((out, st))) => sums_out_run(s, [dy, x, y], m, out, st, k1, acc),
+    // One instantiation per case, so the loops test no flag.
+    match data.mask {
+        None => sums_out_run(s, [dy, x], m, dx, stream, k1, acc, pace),
+        Some(y) => sums_out_run(s, [dy, x, y], m, dx, stream, k1, acc, pace),
     }
 }
 
@@ -340,7 +341,8 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
 }
 
 /// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
-/// partial vector peeled so the full stores are aligned).
+/// partial vector peeled so the full stores are aligned), with [`Pace::step`] of
+/// `pace` after each step of four whole vectors of the body.
 ///
 /// The sums have the bits of the one-chain walk from the run's first element, wherever
 /// `dx` sits in memory: element `k` is summed in lane `k mod LANES`, in order. Where
@@ -351,8 +353,9 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
 /// of its own had made `offset_backprop` and `scale_backprop` of a streamed NCHW
 /// inference gradient (and so the Ex backward's `dx`) depend on the buffer's offset
 /// (`tests/properties.rs`, streamed outputs; `tests::rotated_rows_have_the_bits_of_the_aligned_walk`).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usize>(
     s: S,
     ins: [&[T]; N],
     m: S::V,
@@ -360,9 +363,10 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     stream: bool,
     k1: S::V,
     mut acc: (S::V, S::V),
+    pace: &mut P,
 ) -> (S::V, S::V) {
     if rows_in_pairs::<U, S, T>(s) && out.len() >= PAIR_RUN_MIN {
-        return sums_out_run_pairs(s, ins, m, out, stream, k1, acc);
+        return sums_out_run_pairs(s, ins, m, out, stream, k1, acc, pace);
     }
     let l = S::LANES;
     let head = head_len(out, l, stream);
@@ -380,9 +384,9 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let (at, n) = {
         let mut w = Walk::new(l, ins_b, &mut *out_b);
         acc = if S::HINTS && stream && w.aligned() {
-            sums_out_body::<U, S, T, N, true>(s, &mut w, m, k1, acc)
+            sums_out_body::<U, S, T, P, N, true>(s, &mut w, m, k1, acc, pace)
         } else {
-            sums_out_body::<U, S, T, N, false>(s, &mut w, m, k1, acc)
+            sums_out_body::<U, S, T, P, N, false>(s, &mut w, m, k1, acc, pace)
         };
         w.tail()
     };
@@ -573,8 +577,9 @@ fn rotate_pair_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 /// partial pair folds zeros into the lanes it does not cover (no change but for a
 /// non-finite mean), and so does a streamed run. The two halves of the run's sums are
 /// then added, in lane order, into `(a, b)`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usize>(
     s: S,
     ins: [&[T]; N],
     m: S::V,
@@ -582,6 +587,7 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>
     stream: bool,
     k1: S::V,
     (a, b): (S::V, S::V),
+    pace: &mut P,
 ) -> (S::V, S::V) {
     let (l, len) = (S::LANES, out.len());
     let p = 2 * l;
@@ -608,9 +614,9 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>
     let done = {
         let mut w = Walk::new(l, ins_b, &mut *out_b);
         if stream && w.aligned_to(align) {
-            sums_out_pairs_body::<U, S, T, N, true>(s, &mut w, m, k1, &mut sums)
+            sums_out_pairs_body::<U, S, T, P, N, true>(s, &mut w, m, k1, &mut sums, pace)
         } else {
-            sums_out_pairs_body::<U, S, T, N, false>(s, &mut w, m, k1, &mut sums)
+            sums_out_pairs_body::<U, S, T, P, N, false>(s, &mut w, m, k1, &mut sums, pace)
         }
     };
     let rest = out_b.len() - done;
@@ -636,14 +642,15 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>
     (s.add(a, s.add(a0, a1)), s.add(b, s.add(b0, b1)))
 }
 
-/// The whole pairs of [`sums_out_run_pairs`]; returns how many elements they cover.
-/// With `STREAM`, the output starts at a multiple of [`Simd::cl_stream_align`] elements,
-/// which is a pair.
+/// The whole pairs of [`sums_out_run_pairs`], with [`Pace::step`] after every two;
+/// returns how many elements they cover. With `STREAM`, the output starts at a multiple
+/// of [`Simd::cl_stream_align`] elements, which is a pair.
 #[inline(always)]
 fn sums_out_pairs_body<
     U: Real,
     S: Simd<U>,
     T: Element<Stat = U>,
+    P: Pace<S>,
     const N: usize,
     const STREAM: bool,
 >(
@@ -652,41 +659,82 @@ fn sums_out_pairs_body<
     m: S::V,
     k1: S::V,
     sums: &mut PairSums<S::V>,
+    pace: &mut P,
 ) -> usize {
     let pairs = w.vectors() / 2;
     let pair_bytes = 2 * S::LANES * std::mem::size_of::<T>();
     assert!(w.reads.lanes_of(s));
     assert!(!STREAM || (s.cl_stream_align::<T>() == 2 * S::LANES && w.aligned_to(pair_bytes)));
-    let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
-    for i in 0..pairs {
-        let j = 2 * i;
-        if STREAM {
-            w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
-        }
-        // SAFETY: `j + 1 < 2·pairs <= vectors`, and the lanes are checked above. With
-        // `STREAM` the output starts at a multiple of `cl_stream_align` = 2·LANES
-        // elements (both asserted above), so vector `j` (even) does.
+    let mut z = pace.zip_take();
+    for i in 0..pairs / 2 {
+        // SAFETY: `4·i + 3 < 2·pairs <= vectors`; the rest asserted above.
         unsafe {
-            let v = w.reads.load_pair_unchecked(s, j);
-            let (de, dd) = fold_pair(s, &v, m, None, sums);
-            let (de, dd) = (s.mul(de, k1), s.mul(dd, k1));
-            if STREAM {
-                w.stream_pair_cl_unchecked::<S, true>(s, j, de, dd);
-            } else {
-                w.store_pair_unchecked::<S, false>(s, j, de, dd);
-            }
+            sums_out_pair::<U, S, T, N, STREAM>(s, w, 4 * i, m, k1, sums);
+            sums_out_pair::<U, S, T, N, STREAM>(s, w, 4 * i + 2, m, k1, sums);
         }
+        pace.step(s, &mut z);
+    }
+    pace.zip_put(z);
+    if pairs % 2 == 1 {
+        // SAFETY: `2·pairs − 1 < vectors`; the rest asserted above.
+        unsafe { sums_out_pair::<U, S, T, N, STREAM>(s, w, 2 * pairs - 2, m, k1, sums) };
     }
     2 * pairs * S::LANES
 }
 
+/// One pair of [`sums_out_pairs_body`]: vectors `j` and `j + 1`. (A function, not a
+/// closure: a closure is compiled without the kernel's target features, and its
+/// intrinsics were calls.)
+///
+/// # Safety
+/// `j` is even, `j + 1 < w.vectors()`, `w.reads.lanes_of(s)`; with `STREAM`,
+/// `cl_stream_align::<T>() == 2·LANES` and the output starts at a multiple of it.
 #[inline(always)]
-fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
+unsafe fn sums_out_pair<U, S, T, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j: usize,
+    m: S::V,
+    k1: S::V,
+    sums: &mut PairSums<S::V>,
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+{
+    if STREAM {
+        let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
+        w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
+    }
+    // SAFETY: the caller's guarantee: vector `j` (even) of the output starts at a
+    // multiple of `cl_stream_align` = 2·LANES elements with `STREAM`.
+    unsafe {
+        let v = w.reads.load_pair_unchecked(s, j);
+        let (de, dd) = fold_pair(s, &v, m, None, sums);
+        let (de, dd) = (s.mul(de, k1), s.mul(dd, k1));
+        if STREAM {
+            w.stream_pair_cl_unchecked::<S, true>(s, j, de, dd);
+        } else {
+            w.store_pair_unchecked::<S, false>(s, j, de, dd);
+        }
+    }
+}
+
+#[inline(always)]
+fn sums_out_body<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    P: Pace<S>,
+    const N: usize,
+    const STREAM: bool,
+>(
     s: S,
     w: &mut Walk<'_, T, N>,
     m: S::V,
     k1: S::V,
     (mut a, mut b): (S::V, S::V),
+    pace: &mut P,
 ) -> (S::V, S::V) {
     // Two vectors folded in order into the same sums (the bits of one at a time), their
     // `dx` stored together: one narrowing for both where the ISA packs pairs (AVX-512
@@ -700,15 +748,16 @@ fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
     // Streamed (inputs from DRAM): every input prefetched STREAM_AHEAD_BYTES ahead, one
     // hint per line, as the elementwise passes and the channels-last inference gradient
     // do.
-    let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
-    for i in 0..total / 2 {
-        let j = 2 * i;
-        if STREAM {
-            w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
-        }
-        let d = fold(s, &w.load(s, j), m, &mut a, &mut b);
-        let e = fold(s, &w.load(s, j + 1), m, &mut a, &mut b);
-        w.store2::<S, STREAM>(s, j, s.mul(d, k1), s.mul(e, k1));
+    // Four vectors a step, for the pace's work beside them ([`Pace::step`]).
+    let mut z = pace.zip_take();
+    for i in 0..total / 4 {
+        sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i, m, k1, (&mut a, &mut b));
+        sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i + 2, m, k1, (&mut a, &mut b));
+        pace.step(s, &mut z);
+    }
+    pace.zip_put(z);
+    if total % 4 >= 2 {
+        sums_out_two::<U, S, T, N, STREAM>(s, w, total / 4 * 4, m, k1, (&mut a, &mut b));
     }
     if total % 2 == 1 {
         let j = total - 1;
@@ -716,6 +765,31 @@ fn sums_out_body<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
         w.store::<S, STREAM>(s, j, s.mul(d, k1));
     }
     (a, b)
+}
+
+/// Vectors `j` and `j + 1` of [`sums_out_body`], folded in order into `(a, b)`, their
+/// `dx` stored together. (A function, not a closure: a closure is compiled without the
+/// kernel's target features, and its intrinsics were calls.)
+#[inline(always)]
+fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
+    s: S,
+    w: &mut Walk<'_, T, N>,
+    j: usize,
+    m: S::V,
+    k1: S::V,
+    (a, b): (&mut S::V, &mut S::V),
+) where
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+{
+    if STREAM {
+        let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
+        w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
+    }
+    let d = fold(s, &w.load(s, j), m, a, b);
+    let e = fold(s, &w.load(s, j + 1), m, a, b);
+    w.store2::<S, STREAM>(s, j, s.mul(d, k1), s.mul(e, k1));
 }
 
 /// Backward sums over whole pixels, by tiles flushed to `f64`; with `dx`, also writes
@@ -1745,7 +1819,7 @@ mod tests {
                     x: &self.ins[1][at..at + n],
                 };
                 let out = &mut self.out[at..at + n];
-                acc = row_sums(s, data, m, Some((out, self.stream)), k1, acc);
+                acc = row_sums_out(s, data, m, (out, self.stream), k1, acc, &mut NoPace);
                 at += n;
             }
             let mut lanes = vec![T::Stat::ZERO; 2 * S::LANES];

@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
 use super::backward::{
-    self, row_sums, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
+    self, row_sums_out, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
 };
 use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
@@ -234,12 +234,13 @@ fn write_order(span: &Range<usize>, i: usize, reversed: bool) -> usize {
 /// the next channel was prefetched) the reduction waited on reads that the prefetch had
 /// not brought into L2 (an Intel Xeon with a 2 MiB L2: the moments of a prefetched 800
 /// KB channel took 61 us, 15 us from L2, 98 us from DRAM).
-struct RowsBehind<'r, 'a, T, S: Simd<T::Stat>, F, const N: usize, const K: usize>
+struct RowsBehind<'r, 'a, T, S: Simd<T::Stat>, F, R, const N: usize, const K: usize>
 where
     T: Element,
 {
     g: &'r Geometry,
-    ins: &'r [&'a [T]; N],
+    /// The writer's inputs (and the reduction's).
+    ins: R,
     rows: &'r mut TaskRows<'a, T>,
     c: usize,
     reduced: usize,
@@ -250,8 +251,6 @@ where
     span: Range<usize>,
     /// The next row of `c` to write (an outer row of `span`, counted in row order).
     next: usize,
-    /// How many of `ins` (the first) the reduction reads.
-    reads: usize,
     stream: bool,
     f: &'r F,
     /// The row of `c` being written vector by vector beside the reduction
@@ -260,6 +259,69 @@ where
     /// Rows ahead of the reduction that the zip's writes prefetch: [`AHEAD_TILES`]
     /// tiles' rows.
     ahead: usize,
+}
+
+/// Where a writer behind a reduction ([`RowsBehind`]) finds its input rows, and the
+/// inputs of the reduction whose rows its writes prefetch.
+trait BehindIns<'a, T, const N: usize> {
+    /// The writer's input rows of channel `c` at outer index `o`.
+    fn row(&self, g: &Geometry, c: usize, o: usize) -> [&'a [T]; N];
+    /// Input `i` (`i < 2`) of the reduction, whose rows the writes prefetch, if any.
+    fn reduced(&self, i: usize) -> Option<&'a [T]>;
+    /// Whether the writer's last input is one the reduction does not read (the Ex
+    /// forward's side input, from DRAM), whose next row each write then prefetches.
+    fn unreduced(&self) -> bool;
+}
+
+/// Whole tensors, the writer's inputs, of which the reduction reads the first `reads`.
+struct Tensors<'r, 'a, T, const N: usize> {
+    ins: &'r [&'a [T]; N],
+    reads: usize,
+}
+
+impl<'a, T, const N: usize> BehindIns<'a, T, N> for Tensors<'_, 'a, T, N> {
+    #[inline(always)]
+    fn row(&self, g: &Geometry, c: usize, o: usize) -> [&'a [T]; N] {
+        row_of(g, self.ins, c, o)
+    }
+
+    #[inline(always)]
+    fn reduced(&self, i: usize) -> Option<&'a [T]> {
+        (i < self.reads.min(N)).then(|| self.ins[i])
+    }
+
+    #[inline(always)]
+    fn unreduced(&self) -> bool {
+        self.reads < N
+    }
+}
+
+/// The side gradient's `dx` writer's inputs ([`ResidentSide`]): `sg` of channel `c`,
+/// its rows taken from the task's rows of `sg` (`rows[o − o0]`, written by the
+/// reduction of `c`), and x; the reduction reads dy and x (and the mask).
+struct SideIns<'r, 'a, T> {
+    sg: &'r [&'a [T]],
+    o0: usize,
+    dy: &'a [T],
+    x: &'a [T],
+}
+
+impl<'a, T> BehindIns<'a, T, 2> for SideIns<'_, 'a, T> {
+    #[inline(always)]
+    fn row(&self, g: &Geometry, c: usize, o: usize) -> [&'a [T]; 2] {
+        let [x] = row_of(g, &[self.x], c, o);
+        [self.sg[o - self.o0], x]
+    }
+
+    #[inline(always)]
+    fn reduced(&self, i: usize) -> Option<&'a [T]> {
+        [self.dy, self.x].get(i).copied()
+    }
+
+    #[inline(always)]
+    fn unreduced(&self) -> bool {
+        false
+    }
 }
 
 /// A row of a pipelined pass's output being written four vectors at a time from the
@@ -282,22 +344,26 @@ struct ZipRow<'a, T: Element, S: Simd<T::Stat>, const N: usize, const K: usize> 
     tail_out: &'a mut [T],
 }
 
-impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize>
-    RowsBehind<'r, 'a, T, S, F, N, K>
+impl<'r, 'a, T, S, F, R, const N: usize, const K: usize> RowsBehind<'r, 'a, T, S, F, R, N, K>
+where
+    T: Element,
+    S: Simd<T::Stat>,
+    F: VectorFn<N, K>,
+    R: BehindIns<'a, T, N>,
 {
     /// The writer of channel `c`'s rows of `span`, first to last, with constants `k`,
-    /// behind the reduction of channel `reduced`, which reads the first `reads` of
-    /// `ins`: the splat constants and their [`Simd::plain_nans`] token derived here.
+    /// from `ins`, behind the reduction of channel `reduced`: the splat constants and
+    /// their [`Simd::plain_nans`] token derived here.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn new(
         s: S,
         g: &'r Geometry,
-        ins: &'r [&'a [T]; N],
+        ins: R,
         rows: &'r mut TaskRows<'a, T>,
         (c, reduced): (usize, usize),
         k: [T::Stat; K],
-        (span, reads): (Range<usize>, usize),
+        span: Range<usize>,
         stream: bool,
         f: &'r F,
     ) -> Self {
@@ -311,7 +377,6 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
             w: s.plain_nans(&[&k]),
             next: span.start,
             span,
-            reads,
             stream,
             f,
             zip: None,
@@ -326,10 +391,8 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
     fn prefetched(&self, o: usize, ahead: usize) -> ([Option<&'a [T]>; 2], usize) {
         let g = self.g;
         let at = ahead_row(g, &self.span, self.reduced, o + ahead);
-        let ahead_row = |i: usize| {
-            at.filter(|_| i < self.reads)
-                .map(|at| &self.ins[i][at..][..g.inner])
-        };
+        let ahead_row =
+            |i: usize| at.and_then(|at| self.ins.reduced(i).map(|t| &t[at..][..g.inner]));
         let reversed = self.reduced != self.c;
         // An input the reduction does not read (the Ex forward's side input) comes
         // from DRAM, a row of `c` each write, and rows of a channel are a whole
@@ -340,13 +403,9 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
         // AVX-512 1.18 / 1.16 -> 0.99 / 1.00, AVX2 1.36 / 1.13 -> 0.96 / 0.98; f16
         // AVX-512 1.29 / 1.08 -> 1.00 / 1.02, AVX2 1.22 / 1.06 -> 0.98 / 1.01; f32
         // 1.01-1.03 -> 0.92-1.04 (the plain op in the same run: -0.14 to +0.05).
-        let side_next = (self.reads < N && o + 1 < self.span.end).then(|| {
-            row_of(
-                g,
-                self.ins,
-                self.c,
-                write_order(&self.span, o + 1, reversed),
-            )[N - 1]
+        let side_next = (self.ins.unreduced() && o + 1 < self.span.end).then(|| {
+            self.ins
+                .row(g, self.c, write_order(&self.span, o + 1, reversed))[N - 1]
         });
         (
             [ahead_row(0), ahead_row(1).or(side_next)],
@@ -401,7 +460,7 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
         let o = self.next;
         self.next += 1;
         let (pf, o) = self.prefetched(o, self.ahead);
-        let ins = row_of(g, self.ins, self.c, o);
+        let ins = self.ins.row(g, self.c, o);
         let out = self.rows.take_row(self.c, o);
         let pair = w.pair_stream_align::<T>();
         let can = self.stream
@@ -473,7 +532,7 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
             let (pf, o) = self.prefetched(self.next, ahead);
             run_splat(
                 self.w,
-                row_of(g, self.ins, self.c, o),
+                self.ins.row(g, self.c, o),
                 self.rows.take_row(self.c, o),
                 self.k,
                 self.stream,
@@ -486,17 +545,22 @@ impl<'r, 'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, co
     }
 }
 
-/// A resident pass's row writes up to outer row `end` ([`RowsBehind::upto`],
-/// [`SideBehind::upto`]) as a function of their own ([`Simd::outline`]): one per pass
-/// instead of one per tile pacing and call site.
+/// A resident pass's row writes up to outer row `end` ([`RowsBehind::upto`]) as a
+/// function of their own ([`Simd::outline`]): one per pass instead of one per tile
+/// pacing and call site.
 struct Upto<'b, B> {
     behind: &'b mut B,
     end: usize,
     ahead: usize,
 }
 
-impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Body<S>
-    for Upto<'_, RowsBehind<'_, '_, T, S, F, N, K>>
+impl<'a, T, S, F, R, const N: usize, const K: usize> Body<S>
+    for Upto<'_, RowsBehind<'_, 'a, T, S, F, R, N, K>>
+where
+    T: Element,
+    S: Simd<T::Stat>,
+    F: VectorFn<N, K>,
+    R: BehindIns<'a, T, N>,
 {
     type Output = ();
     #[inline(always)]
@@ -505,8 +569,13 @@ impl<T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: u
     }
 }
 
-impl<'a, T: Element, S: Simd<T::Stat>, F: VectorFn<N, K>, const N: usize, const K: usize> Pace<S>
-    for RowsBehind<'_, 'a, T, S, F, N, K>
+impl<'a, T, S, F, R, const N: usize, const K: usize> Pace<S>
+    for RowsBehind<'_, 'a, T, S, F, R, N, K>
+where
+    T: Element,
+    S: Simd<T::Stat>,
+    F: VectorFn<N, K>,
+    R: BehindIns<'a, T, N>,
 {
     /// Pipelined, the writes ride in the reduction's steps ([`Pace::step`]); a tile
     /// only catches up rows the steps did not reach (rows of fewer than four vectors
@@ -580,7 +649,7 @@ const fn zips<T>() -> bool {
 }
 
 /// How many tiles ahead of the reduction a pipelined pass's row writes prefetch the
-/// reduced channel's rows ([`RowsBehind::upto`], [`SideBehind`]): a row a written row,
+/// reduced channel's rows ([`RowsBehind::upto`]): a row a written row,
 /// `AHEAD_TILES` tiles' rows on. One tile ahead, the prefetches issued during a tile's
 /// writes had not landed when the reduction read them. The C model
 /// `scripts/models/resident_pipe.c` (Zen 4, NCHW 64x256x56x56 bf16 walk, two threads)
@@ -703,11 +772,14 @@ where
             let mut behind = RowsBehind::new(
                 s,
                 g,
-                &self.ins,
+                Tensors {
+                    ins: &self.ins,
+                    reads: 1,
+                },
                 &mut rows,
                 (c, if pipe { c + 1 } else { c }),
                 k,
-                (0..g.outer, 1),
+                0..g.outer,
                 self.stream,
                 &self.f,
             );
@@ -785,11 +857,14 @@ where
             let mut behind = RowsBehind::new(
                 s,
                 g,
-                &self.ins,
+                Tensors {
+                    ins: &self.ins,
+                    reads: 2,
+                },
                 &mut rows,
                 (c, if pipe { c + 1 } else { c }),
                 k,
-                (0..g.outer, 2),
+                0..g.outer,
                 self.stream,
                 &self.f,
             );
@@ -966,7 +1041,8 @@ where
             let (coeffs, stream) = (self.coeffs, self.stream);
             let mut behind = WhenPublished::new(ex, c, move || {
                 let k = coeffs(c, shared_moments(ex, c));
-                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, (span, 1), stream, f)
+                let ins = Tensors { ins, reads: 1 };
+                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, span, stream, f)
             });
             if more {
                 share_moments(s, g, x, c + 1, plan, part, ex, &mut behind);
@@ -1025,7 +1101,8 @@ where
                 let (a, b) = shared_sums(ex, c);
                 let [dm, k1, k2] = coeffs(c, a, b);
                 let k = [dm, mean[c], k1, k2];
-                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, (span, 2), stream, f)
+                let ins = Tensors { ins, reads: 2 };
+                RowsBehind::new(s, g, ins, rows, (c, c + 1), k, span, stream, f)
             });
             if more {
                 share_sums(s, g, data, self.mean, c + 1, plan, part, ex, &mut behind);
@@ -1365,7 +1442,7 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
 /// sums more than `TILE / LANES` values, whatever the shape.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>>(
+fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     g: &Geometry,
     data: GradData<'_, T>,
@@ -1394,11 +1471,11 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>
             let mk = data.mask.map(|y| &y[off..][..tile.step]);
             let out = &mut rows.row(c, o0 + i)[at..][..tile.step];
             let run = GradData { dy: d, mask: mk, x };
-            acc = row_sums(s, run, m, Some((out, stream)), k1, acc);
+            acc = row_sums_out(s, run, m, (out, stream), k1, acc, pace);
         }
         sdy += s.sum_f64(acc.0);
         sdx += s.sum_f64(acc.1);
-        pace.tile_done(s, tile, rows);
+        pace.tile_done(s, tile);
     }
     (sdy, sdx)
 }
@@ -1410,7 +1487,7 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>
 /// from `sg` and x — not dy, y and x again (the masked dy is exact in `T`, so `dx` is
 /// the same either way). Resident per channel when dy, x, the mask and `sg` of a
 /// channel fit `resident_bytes()` and the tensors are not streamed, or are streamed on
-/// a machine where `side_resident_streamed()` holds: one DRAM read of each input, one
+/// a machine where `side_resident_streamed` holds: one DRAM read of each input, one
 /// write of each output. Otherwise two sweeps.
 pub fn backward_training_side<T: Element>(
     g: &Geometry,
@@ -1434,9 +1511,11 @@ pub fn backward_training_side<T: Element>(
     // the resident pass wins: 16x512x28x28 f32 0.92 / 1.28, 16x256x56x56 bf16 1.19 /
     // 1.44, 16x64x112x112 bf16 1.28 / 1.45, 16x64x56x56 f32 1.23 / 1.50.
     // On the Xeon reporting 105 MiB the resident pass was faster from DRAM too, so it
-    // is kept there for streamed tensors as well (`side_resident_streamed`).
+    // is kept there for streamed tensors as well (`side_resident_streamed`), and so it
+    // is for f32, which writes `dx` inside the reduction's loop (the zip), on the Zen 4
+    // reporting 32 MiB.
     if g.resident(size, inputs + 1, resident_bytes())
-        && (!g.stream(size) || side_resident_streamed())
+        && (!g.stream(size) || side_resident_streamed(zips::<T>()))
     {
         let stream = g.stream_resident(size);
         let pipelined = g.pipelined(size);
@@ -1480,8 +1559,13 @@ pub fn backward_training_side<T: Element>(
 }
 
 /// [`backward_training_side`] over a group of resident channels: per channel, the sums
-/// and `sg` (ordinary stores: the second sweep reads it back from the cache), then `dx`
-/// from the cached `sg` and x.
+/// and `sg` (ordinary stores: `dx` is computed from it while it is cached), and `dx` of
+/// the channel from its `sg` and x by a [`RowsBehind`] ([`SideIns`]) — pipelined,
+/// while the next channel is reduced, with the zip for 32-bit elements as the plain
+/// backward pass. (Its own writer, tile by tile, had measured against the
+/// reduce-then-write pass it replaced, `scripts/ab.sh 3`, Intel Xeon, NCHW
+/// 64x256x56x56, time ÷ copy: bf16 1.57 -> 1.38 with AVX-512 but 1.32 -> 1.57 with
+/// AVX2, f16 1.45 -> 1.44 and 1.48 -> 1.27, other cells within 2 %.)
 struct ResidentSide<'a, T: Element, C> {
     g: &'a Geometry,
     data: GradData<'a, T>,
@@ -1515,19 +1599,32 @@ where
             sg: &mut sg,
             pace: &mut NoPace,
         });
+        let mut taken = Vec::with_capacity(t.o1 - t.o0);
         for c in t.c0..t.c1 {
             let more = c + 1 < t.c1;
             let [dm, k1, k2] = (self.coeffs)(c, sums.0, sums.1);
-            let mut behind = SideBehind {
-                g,
-                data: d,
-                dx: &mut dx,
-                c,
-                reduced: if pipe { c + 1 } else { c },
-                k: splat_n(s, [dm, self.mean[c], k1, k2]),
-                next: 0,
-                stream: self.stream,
+            // `sg` of `c`, all written by its reduction: its rows taken out of the
+            // task's, for the writer of `dx` to read while the reduction of `c + 1`
+            // writes the next channel's.
+            taken.clear();
+            taken.extend((t.o0..t.o1).map(|o| &*sg.take_row(c, o)));
+            let ins = SideIns {
+                sg: &taken,
+                o0: t.o0,
+                dy: d.dy,
+                x: d.x,
             };
+            let mut behind = RowsBehind::new(
+                s,
+                g,
+                ins,
+                &mut dx,
+                (c, if pipe { c + 1 } else { c }),
+                [dm, mean[c], k1, k2],
+                t.o0..t.o1,
+                self.stream,
+                &BackwardFn,
+            );
             let next = if more && pipe {
                 s.outline(SideSumsOf {
                     g,
@@ -1540,7 +1637,7 @@ where
             } else {
                 (0.0, 0.0)
             };
-            behind.upto(s, &mut sg, g.outer, if pipe { 1 } else { g.outer });
+            behind.upto(t.o1, if pipe { 1 } else { g.outer });
             out.push(sums);
             sums = if more && !pipe {
                 s.outline(SideSumsOf {
@@ -1565,7 +1662,7 @@ where
 /// The backward sums of channel `c` with its masked dy written to `sg`, by the row
 /// chunks of the two-pass split (see [`resident_moments`]), with `pace` between tiles.
 #[inline(always)]
-fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: PaceSide<S, T>>(
+fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     g: &Geometry,
     d: GradData<'_, T>,
@@ -1595,103 +1692,11 @@ struct SideSumsOf<'r, 'a, 's, T: Element, P> {
     pace: &'r mut P,
 }
 
-impl<T: Element, S: Simd<T::Stat>, P: PaceSide<S, T>> Body<S> for SideSumsOf<'_, '_, '_, T, P> {
+impl<T: Element, S: Simd<T::Stat>, P: Pace<S>> Body<S> for SideSumsOf<'_, '_, '_, T, P> {
     type Output = (f64, f64);
     #[inline(always)]
     fn run(self, s: S) -> (f64, f64) {
         side_sums(s, self.g, self.data, self.mean, self.c, self.sg, self.pace)
-    }
-}
-
-/// [`Pace`] for the side gradient's reduction, which writes `sg` (the masked dy) as it
-/// goes: the work between tiles may read the rows of `sg` that it wrote before.
-trait PaceSide<S, T> {
-    /// Called after each `tile` of the reduction, in order.
-    fn tile_done(&mut self, s: S, tile: Tile, sg: &mut TaskRows<'_, T>);
-}
-
-impl<S, T> PaceSide<S, T> for NoPace {
-    #[inline(always)]
-    fn tile_done(&mut self, _s: S, _tile: Tile, _sg: &mut TaskRows<'_, T>) {}
-}
-
-/// [`RowsBehind`] for the side gradient: `dx` of channel `c` from its cached `sg` and
-/// x while the sums (and `sg`) of channel `c + 1` are computed. Measured against the
-/// reduce-then-write pass it replaced (`scripts/ab.sh 3`, Intel Xeon, NCHW
-/// 64x256x56x56, time ÷ copy): bf16 1.57 -> 1.38 with AVX-512 but 1.32 -> 1.57 with
-/// AVX2, f16 1.45 -> 1.44 and 1.48 -> 1.27, other cells within 2 %: kept for one design
-/// of the three resident passes, not for speed.
-struct SideBehind<'r, 'a, T: Element, S: Simd<T::Stat>> {
-    g: &'r Geometry,
-    data: GradData<'a, T>,
-    dx: &'r mut TaskRows<'a, T>,
-    c: usize,
-    reduced: usize,
-    k: [S::V; 4],
-    /// The next row of `c` to write.
-    next: usize,
-    stream: bool,
-}
-
-impl<T: Element, S: Simd<T::Stat>> SideBehind<'_, '_, T, S> {
-    /// Writes the rows of `dx` of `c` up to (not including) outer row `end`, each
-    /// prefetching the row of x and of dy of channel `c + 1` `ahead` rows further.
-    #[inline(always)]
-    fn upto(&mut self, s: S, sg: &mut TaskRows<'_, T>, end: usize, ahead: usize) {
-        s.outline(Upto {
-            behind: &mut (self, sg),
-            end,
-            ahead,
-        });
-    }
-
-    /// [`SideBehind::upto`]'s loop, inlined into the function [`Upto`] outlines.
-    #[inline(always)]
-    fn upto_here(&mut self, s: S, sg: &mut TaskRows<'_, T>, end: usize, ahead: usize) {
-        let (g, c, x, dy) = (self.g, self.c, self.data.x, self.data.dy);
-        while self.next < end {
-            let o = self.next;
-            let at = ahead_row(g, &(0..g.outer), self.reduced, o + ahead);
-            let pf = [
-                at.map(|a| &x[a..][..g.inner]),
-                at.map(|a| &dy[a..][..g.inner]),
-            ];
-            let [xr] = row_of(g, &[x], c, o);
-            run_splat(
-                s,
-                [&*sg.row(c, o), xr],
-                self.dx.row(c, o),
-                self.k,
-                self.stream,
-                false,
-                &BackwardFn,
-                pf,
-            );
-            self.next += 1;
-        }
-    }
-}
-
-impl<T: Element, S: Simd<T::Stat>> Body<S>
-    for Upto<'_, (&mut SideBehind<'_, '_, T, S>, &mut TaskRows<'_, T>)>
-{
-    type Output = ();
-    #[inline(always)]
-    fn run(self, s: S) {
-        let (behind, sg) = self.behind;
-        behind.upto_here(s, sg, self.end, self.ahead);
-    }
-}
-
-impl<T: Element, S: Simd<T::Stat>> PaceSide<S, T> for SideBehind<'_, '_, T, S> {
-    #[inline(always)]
-    fn tile_done(&mut self, s: S, tile: Tile, sg: &mut TaskRows<'_, T>) {
-        self.upto(
-            s,
-            sg,
-            tile.rows_done(self.g, self.reduced),
-            AHEAD_TILES * tile.count,
-        );
     }
 }
 

@@ -230,19 +230,26 @@ const SIDE_RESIDENT_LLC_MAX: usize = 192 << 20;
 
 /// Whether the Ex gradient's side pass (`fused::backward_training_side`) keeps channels
 /// that fit the L2 resident even when its tensors are streamed: on machines that report
-/// a last-level cache past [`LLC_CAP_BYTES`] but not past [`SIDE_RESIDENT_LLC_MAX`].
+/// a last-level cache past [`LLC_CAP_BYTES`] but not past [`SIDE_RESIDENT_LLC_MAX`]; and
+/// where the pass writes `dx` inside the reduction's loop (`zipped`: 32-bit elements,
+/// `fused::zips`), on machines that report at most [`LLC_CAP_BYTES`] too.
 /// Measured on two Intel Xeons with 2 MiB of L2 a core (2 cores of a VM each, NCHW
 /// 64x256x56x56, 1.6 MB of dy, x, y and the side gradient a 16-bit channel; time ÷
 /// copy, two sweeps against resident): one reporting 300–480 MiB of L3 (2026-11-29,
 /// AVX-512) f16 1.14 against 1.49, bf16 1.17 against 1.27 (AVX2 1.31 both), so two
 /// sweeps; one of the Sapphire Rapids class reporting 105 MiB (2026-12-03,
 /// `scripts/ab.sh 3`) bf16 1.29 against 1.20 with AVX-512 and 1.46 against 1.17 with
-/// AVX2, f16 1.36 against 1.09 and 1.42 against 1.23, so resident. Machines reporting
-/// at most [`LLC_CAP_BYTES`] (the Zen 3 and Zen 4 of README.md, 32 MiB) keep two sweeps,
-/// as measured there. The bits do not depend on the path.
-pub(crate) fn side_resident_streamed() -> bool {
+/// AVX2, f16 1.36 against 1.09 and 1.42 against 1.23, so resident. On the Zen 4 of
+/// README.md (32 MiB of L3, 1 MiB of L2 a core; 2026-12-05, `scripts/ab.sh 3`, two
+/// sweeps against resident): 16-bit data two sweeps (64x256x56x56 bf16 1.24 against
+/// 1.51 with AVX2, f16 1.20 against 1.39), f32 with the zip resident (64x256x56x56
+/// 1.17 against 0.98 with AVX2 and 1.20 against 0.94 with AVX-512, 64x128x56x56 1.20
+/// against 1.06 and 1.14 against 1.05, 64x112x64x112 1.18 against 1.15 and 1.14 against
+/// 1.08). The bits do not depend on the path.
+pub(crate) fn side_resident_streamed(zipped: bool) -> bool {
     let (llc, l2) = caches();
-    llc > LLC_CAP_BYTES && llc <= SIDE_RESIDENT_LLC_MAX && l2 > 0
+    (llc > LLC_CAP_BYTES && llc <= SIDE_RESIDENT_LLC_MAX && l2 > 0)
+        || (zipped && llc <= LLC_CAP_BYTES)
 }
 
 /// `i + 1`, wrapping to 0 at `n`: the index of a cyclic walk (channel of the next row,
