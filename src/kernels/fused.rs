@@ -589,6 +589,7 @@ where
     }
 
     type Zip = Option<ZipRow<'a, T, S, N, K>>;
+    const STEPS: bool = zips::<T>();
 
     #[inline(always)]
     fn zip_take(&mut self) -> Self::Zip {
@@ -699,6 +700,7 @@ impl<'e, B, M: FnOnce() -> B> WhenPublished<'e, B, M> {
 
 impl<S, B: Pace<S>, M: FnOnce() -> B> Pace<S> for WhenPublished<'_, B, M> {
     type Zip = B::Zip;
+    const STEPS: bool = B::STEPS;
 
     #[inline(always)]
     fn zip_take(&mut self) -> B::Zip {

@@ -853,6 +853,9 @@ pub(crate) trait Pace<S> {
     /// with AVX2 took 2.3-2.5 of a copy, with perf's samples on those loads (Zen 4);
     /// 1.0-1.1 in locals.
     type Zip: Default;
+    /// Whether [`Pace::step`] does anything: a reduction may keep a loop of its own
+    /// where it does not.
+    const STEPS: bool = false;
     /// The state, taken before a reduction's loop.
     #[inline(always)]
     fn zip_take(&mut self) -> Self::Zip {
