@@ -239,6 +239,19 @@ pub(crate) fn head_len<T>(out: &[T], lanes: usize, stream: bool) -> usize {
     }
 }
 
+/// The rows of `prefetch` from element `at` on (at most their ends), first in the
+/// slots (the loops hint the first `count`), and `count`. (`[None, Some]` had left the
+/// row in the second slot, unhinted, and a null pointer in the first, hinted.)
+#[inline(always)]
+pub(crate) fn prefetch_slots<T>(prefetch: [Option<&[T]>; 2], at: usize) -> ([*const T; 2], usize) {
+    let (mut pf, mut count) = ([std::ptr::null(); 2], 0);
+    for p in prefetch.into_iter().flatten() {
+        pf[count] = p[at.min(p.len())..].as_ptr();
+        count += 1;
+    }
+    (pf, count)
+}
+
 /// One contiguous run with the same constants everywhere; `prefetch`: data to bring
 /// into L2 meanwhile (see [`splat_body`]); `ahead` (with `stream`, for inputs read from
 /// DRAM): each input is also prefetched [`STREAM_AHEAD_BYTES`] ahead of its loads.
@@ -272,9 +285,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         // at 14x14), nor f32.
         let (len, pair) = (out.len(), 2 * l);
         let whole = len / pair * pair;
-        let ptr = |p: Option<&[T]>| p.map_or(std::ptr::null(), |p| p.as_ptr());
-        let pf = [ptr(prefetch[0]), ptr(prefetch[1])];
-        let count = prefetch.iter().filter(|p| p.is_some()).count();
+        let (pf, count) = prefetch_slots(prefetch, 0);
         let mut w = Walk::new(l, sub_n(&ins, 0, Some(whole)), &mut out[..whole]);
         splat_dispatch(s, &mut w, k, f, pf, false, count, false);
         let st = len - pair;
@@ -288,11 +299,9 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
         s.store_partial(&mut out[..head], v);
     }
     let (ins, out) = (sub_n(&ins, head, None), &mut out[head..]);
-    let at_head = |p: Option<&[T]>| p.map_or(std::ptr::null(), |p| p[head.min(p.len())..].as_ptr());
-    let pf = [at_head(prefetch[0]), at_head(prefetch[1])];
+    let (pf, count) = prefetch_slots(prefetch, head);
     let (at, n) = {
         let mut w = Walk::new(l, ins, &mut *out);
-        let count = prefetch.iter().filter(|p| p.is_some()).count();
         let stream = stream && w.aligned();
         splat_dispatch(s, &mut w, k, f, pf, stream, count, ahead);
         w.tail()

@@ -485,11 +485,7 @@ where
             walk.store::<S, true>(w, 0, v);
         }
         // The prefetched rows first (`zip_four` hints the first `pfs`).
-        let (mut at, mut pfs) = ([std::ptr::null(); 2], 0);
-        for p in pf.iter().flatten() {
-            at[pfs] = p.as_ptr().wrapping_add(head);
-            pfs += 1;
-        }
+        let (at, pfs) = apply::prefetch_slots(pf, head);
         self.zip = Some(ZipRow {
             w,
             k,
