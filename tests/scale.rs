@@ -529,9 +529,10 @@ fn short_rows_with_tails_at_millions_per_channel() {
 /// The Ex gradient with its side input's gradient on tensors that stream from DRAM
 /// (51 MB each: past `kernels::STREAM_BYTES` and half the last-level cache counted)
 /// whose channels fit a core's L2 (dy, x, y and the side gradient of a channel: 800 KB).
-/// Where the machine reports 96–192 MiB of L3 (`kernels::side_resident_streamed`) these
-/// channels are kept resident and each read once; elsewhere the pass sweeps the tensors
-/// twice. The reference's values either way: bf16 and f32, far from zero and with a
+/// Where the machine reports 96–192 MiB of L3 (`kernels::side_resident_streamed`), and
+/// for f32 (which writes `dx` inside the reduction's loop) where it reports at most 96
+/// MiB, these channels are kept resident and each read once; elsewhere the pass sweeps
+/// the tensors twice. The reference's values either way: bf16 and f32, far from zero and with a
 /// constant gradient (100,352 and 50,176 elements a channel, as many as an L2-resident
 /// channel of four tensors holds at 2 MiB), every supported ISA.
 #[test]

@@ -366,7 +366,10 @@ fn sums_out_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: 
     pace: &mut P,
 ) -> (S::V, S::V) {
     if rows_in_pairs::<U, S, T>(s) && out.len() >= PAIR_RUN_MIN {
-        return sums_out_run_pairs(s, ins, m, out, stream, k1, acc, pace);
+        // 16-bit data only, where nothing rides in the loop (`Pace::STEPS` is for
+        // 32-bit elements: `fused::zips`): a pacer's tiles still run.
+        debug_assert!(!P::STEPS);
+        return sums_out_run_pairs(s, ins, m, out, stream, k1, acc);
     }
     let l = S::LANES;
     let head = head_len(out, l, stream);
@@ -577,9 +580,8 @@ fn rotate_pair_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 /// partial pair folds zeros into the lanes it does not cover (no change but for a
 /// non-finite mean), and so does a streamed run. The two halves of the run's sums are
 /// then added, in lane order, into `(a, b)`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usize>(
+fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     s: S,
     ins: [&[T]; N],
     m: S::V,
@@ -587,7 +589,6 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, con
     stream: bool,
     k1: S::V,
     (a, b): (S::V, S::V),
-    pace: &mut P,
 ) -> (S::V, S::V) {
     let (l, len) = (S::LANES, out.len());
     let p = 2 * l;
@@ -614,9 +615,9 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, con
     let done = {
         let mut w = Walk::new(l, ins_b, &mut *out_b);
         if stream && w.aligned_to(align) {
-            sums_out_pairs_body::<U, S, T, P, N, true>(s, &mut w, m, k1, &mut sums, pace)
+            sums_out_pairs_body::<U, S, T, N, true>(s, &mut w, m, k1, &mut sums)
         } else {
-            sums_out_pairs_body::<U, S, T, P, N, false>(s, &mut w, m, k1, &mut sums, pace)
+            sums_out_pairs_body::<U, S, T, N, false>(s, &mut w, m, k1, &mut sums)
         }
     };
     let rest = out_b.len() - done;
@@ -642,15 +643,14 @@ fn sums_out_run_pairs<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, con
     (s.add(a, s.add(a0, a1)), s.add(b, s.add(b0, b1)))
 }
 
-/// The whole pairs of [`sums_out_run_pairs`], with [`Pace::step`] after every two;
-/// returns how many elements they cover. With `STREAM`, the output starts at a multiple
-/// of [`Simd::cl_stream_align`] elements, which is a pair.
+/// The whole pairs of [`sums_out_run_pairs`]; returns how many elements they cover.
+/// With `STREAM`, the output starts at a multiple of [`Simd::cl_stream_align`] elements,
+/// which is a pair.
 #[inline(always)]
 fn sums_out_pairs_body<
     U: Real,
     S: Simd<U>,
     T: Element<Stat = U>,
-    P: Pace<S>,
     const N: usize,
     const STREAM: bool,
 >(
@@ -659,32 +659,14 @@ fn sums_out_pairs_body<
     m: S::V,
     k1: S::V,
     sums: &mut PairSums<S::V>,
-    pace: &mut P,
 ) -> usize {
     let pairs = w.vectors() / 2;
     let pair_bytes = 2 * S::LANES * std::mem::size_of::<T>();
     assert!(w.reads.lanes_of(s));
     assert!(!STREAM || (s.cl_stream_align::<T>() == 2 * S::LANES && w.aligned_to(pair_bytes)));
-    if !P::STEPS {
-        for i in 0..pairs {
-            // SAFETY: `2·i + 1 < 2·pairs <= vectors`; the rest asserted above.
-            unsafe { sums_out_pair::<U, S, T, N, STREAM>(s, w, 2 * i, m, k1, sums) };
-        }
-        return 2 * pairs * S::LANES;
-    }
-    let mut z = pace.zip_take();
-    for i in 0..pairs / 2 {
-        // SAFETY: `4·i + 3 < 2·pairs <= vectors`; the rest asserted above.
-        unsafe {
-            sums_out_pair::<U, S, T, N, STREAM>(s, w, 4 * i, m, k1, sums);
-            sums_out_pair::<U, S, T, N, STREAM>(s, w, 4 * i + 2, m, k1, sums);
-        }
-        pace.step(s, &mut z);
-    }
-    pace.zip_put(z);
-    if pairs % 2 == 1 {
-        // SAFETY: `2·pairs − 1 < vectors`; the rest asserted above.
-        unsafe { sums_out_pair::<U, S, T, N, STREAM>(s, w, 2 * pairs - 2, m, k1, sums) };
+    for i in 0..pairs {
+        // SAFETY: `2·i + 1 < 2·pairs <= vectors`; the rest asserted above.
+        unsafe { sums_out_pair::<U, S, T, N, STREAM>(s, w, 2 * i, m, k1, sums) };
     }
     2 * pairs * S::LANES
 }

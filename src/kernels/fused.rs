@@ -351,9 +351,10 @@ where
     F: VectorFn<N, K>,
     R: BehindIns<'a, T, N>,
 {
-    /// The writer of channel `c`'s rows of `span`, first to last, with constants `k`,
-    /// from `ins`, behind the reduction of channel `reduced`: the splat constants and
-    /// their [`Simd::plain_nans`] token derived here.
+    /// The writer of channel `c`'s rows of `span` (in [`write_order`]: last first where
+    /// pipelined), with constants `k`, from `ins`, behind the reduction of channel
+    /// `reduced`: the splat constants and their [`Simd::plain_nans`] token derived
+    /// here.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn new(
@@ -1513,7 +1514,7 @@ pub fn backward_training_side<T: Element>(
     // is for f32, which writes `dx` inside the reduction's loop (the zip), on the Zen 4
     // reporting 32 MiB.
     if g.resident(size, inputs + 1, resident_bytes())
-        && (!g.stream(size) || side_resident_streamed(zips::<T>()))
+        && (!g.stream(size) || side_resident_streamed(zips::<T>() && g.pipelined(size)))
     {
         let stream = g.stream_resident(size);
         let pipelined = g.pipelined(size);

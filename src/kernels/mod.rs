@@ -229,10 +229,13 @@ pub(crate) fn resident_bytes() -> usize {
 const SIDE_RESIDENT_LLC_MAX: usize = 192 << 20;
 
 /// Whether the Ex gradient's side pass (`fused::backward_training_side`) keeps channels
-/// that fit the L2 resident even when its tensors are streamed: on machines that report
-/// a last-level cache past [`LLC_CAP_BYTES`] but not past [`SIDE_RESIDENT_LLC_MAX`]; and
-/// where the pass writes `dx` inside the reduction's loop (`zipped`: 32-bit elements,
-/// `fused::zips`), on machines that report at most [`LLC_CAP_BYTES`] too.
+/// that fit its resident limit (`resident_bytes`) resident even when its tensors are
+/// streamed: on machines that report a last-level cache past [`LLC_CAP_BYTES`] but not
+/// past [`SIDE_RESIDENT_LLC_MAX`]; and where the pass writes `dx` inside the reduction's
+/// loop (`zipped`: 32-bit elements in a pipelined pass, `fused::zips`), on machines that
+/// report at most [`LLC_CAP_BYTES`] or no cache size (taken as 32 MiB, as
+/// [`llc_bytes`] does) too. The Zen 3 of README.md (32 MiB, AVX2 only) was measured
+/// with two sweeps before the zip, not with it.
 /// Measured on two Intel Xeons with 2 MiB of L2 a core (2 cores of a VM each, NCHW
 /// 64x256x56x56, 1.6 MB of dy, x, y and the side gradient a 16-bit channel; time ÷
 /// copy, two sweeps against resident): one reporting 300–480 MiB of L3 (2026-11-29,
