@@ -484,6 +484,33 @@ fn resident_channels_of_a_million_elements() {
     check_all(cases, 8);
 }
 
+/// The Ex gradient's side pass, resident and pipelined, at the most elements a channel
+/// it keeps resident in f32: 518,400 (dy, x, y and the side gradient, 8.3 MB, under the
+/// 8 MiB `RESIDENT_BYTES`), where `dx` of a channel is written inside the loop that
+/// reduces the next one (the zip) — one row a channel (N = 1, rows of 518,400) and
+/// four (rows of 129,600); far from zero and constant, f32 and (by tiles) bf16, every
+/// supported ISA.
+#[test]
+fn side_gradient_resident_at_half_a_million_per_channel() {
+    let mut cases = Vec::new();
+    for shape in [[1, 720, 720, 4], [4, 360, 360, 4]] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                for fill in [far(dtype), constant(dtype)] {
+                    let case = Case::new(Op::FusedBatchNormGradEx, DataFormat::Nchw, &shape, dtype)
+                        .expect("valid case")
+                        .training(true)
+                        .fill(fill)
+                        .isa(isa)
+                        .ex(true, true);
+                    cases.push(case);
+                }
+            }
+        }
+    }
+    check_all(cases, 8);
+}
+
 /// Short channel-major rows with a tail (7×7: 49 elements, 14×14: 196, neither a
 /// multiple of 8 or 16 lanes) at about two million elements a channel: the statistics
 /// add each row's tail into their `f32` lanes, and the inference gradient and the Ex

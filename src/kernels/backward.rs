@@ -228,7 +228,8 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
 /// Accumulates `Σdy`, `Σdy·(x − m)` of one contiguous run into `acc` (dy masked to
 /// `mask > 0` when given) and writes `dx = dy·k1` (the inference gradient — or, with
 /// `k1 = 1`, the masked dy itself), fused into the same read, streamed when `stream`;
-/// with [`Pace::step`] of `pace` after each step of four vectors of the run's body.
+/// with [`Pace::step`] of `pace` after each step of four vectors of the run's body
+/// where the pacer steps ([`Pace::STEPS`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn row_sums_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
@@ -342,7 +343,7 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
 
 /// [`sums_run`] that also writes `dx = dy·k1`, streamed when `stream` (the first
 /// partial vector peeled so the full stores are aligned), with [`Pace::step`] of
-/// `pace` after each step of four whole vectors of the body.
+/// `pace` after each step of four whole vectors of the body where [`Pace::STEPS`].
 ///
 /// The sums have the bits of the one-chain walk from the run's first element, wherever
 /// `dx` sits in memory: element `k` is summed in lane `k mod LANES`, in order. Where
@@ -664,49 +665,27 @@ fn sums_out_pairs_body<
     let pair_bytes = 2 * S::LANES * std::mem::size_of::<T>();
     assert!(w.reads.lanes_of(s));
     assert!(!STREAM || (s.cl_stream_align::<T>() == 2 * S::LANES && w.aligned_to(pair_bytes)));
+    let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
     for i in 0..pairs {
-        // SAFETY: `2·i + 1 < 2·pairs <= vectors`; the rest asserted above.
-        unsafe { sums_out_pair::<U, S, T, N, STREAM>(s, w, 2 * i, m, k1, sums) };
-    }
-    2 * pairs * S::LANES
-}
-
-/// One pair of [`sums_out_pairs_body`]: vectors `j` and `j + 1`. (A function, not a
-/// closure: a closure is compiled without the kernel's target features, and its
-/// intrinsics were calls.)
-///
-/// # Safety
-/// `j` is even, `j + 1 < w.vectors()`, `w.reads.lanes_of(s)`; with `STREAM`,
-/// `cl_stream_align::<T>() == 2·LANES` and the output starts at a multiple of it.
-#[inline(always)]
-unsafe fn sums_out_pair<U, S, T, const N: usize, const STREAM: bool>(
-    s: S,
-    w: &mut Walk<'_, T, N>,
-    j: usize,
-    m: S::V,
-    k1: S::V,
-    sums: &mut PairSums<S::V>,
-) where
-    U: Real,
-    S: Simd<U>,
-    T: Element<Stat = U>,
-{
-    if STREAM {
-        let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
-        w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
-    }
-    // SAFETY: the caller's guarantee: vector `j` (even) of the output starts at a
-    // multiple of `cl_stream_align` = 2·LANES elements with `STREAM`.
-    unsafe {
-        let v = w.reads.load_pair_unchecked(s, j);
-        let (de, dd) = fold_pair(s, &v, m, None, sums);
-        let (de, dd) = (s.mul(de, k1), s.mul(dd, k1));
+        let j = 2 * i;
         if STREAM {
-            w.stream_pair_cl_unchecked::<S, true>(s, j, de, dd);
-        } else {
-            w.store_pair_unchecked::<S, false>(s, j, de, dd);
+            w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
+        }
+        // SAFETY: `j + 1 < 2·pairs <= vectors`, and the lanes are checked above. With
+        // `STREAM` the output starts at a multiple of `cl_stream_align` = 2·LANES
+        // elements (both asserted above), so vector `j` (even) does.
+        unsafe {
+            let v = w.reads.load_pair_unchecked(s, j);
+            let (de, dd) = fold_pair(s, &v, m, None, sums);
+            let (de, dd) = (s.mul(de, k1), s.mul(dd, k1));
+            if STREAM {
+                w.stream_pair_cl_unchecked::<S, true>(s, j, de, dd);
+            } else {
+                w.store_pair_unchecked::<S, false>(s, j, de, dd);
+            }
         }
     }
+    2 * pairs * S::LANES
 }
 
 #[inline(always)]
@@ -778,6 +757,9 @@ fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
     S: Simd<U>,
     T: Element<Stat = U>,
 {
+    // Streamed (inputs from DRAM): every input prefetched STREAM_AHEAD_BYTES ahead, one
+    // hint per line, as the elementwise passes and the channels-last inference gradient
+    // do.
     if STREAM {
         let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
         w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
