@@ -15,7 +15,10 @@ runs the whole grid ROUNDS times, one round after another (every cell of a round
 the machine in its mood of that minute, and each cell is timed in every round), and
 scores the median over the rounds of each cell's copy_ratio. A cell whose rounds fall
 on both sides of its target is marked `?` beside its `!` or its figure: treat it as
-undecided.
+undecided. A cell whose copy ran more than COPY_SPREAD (1.3) times faster in one round
+than in another is marked `~`: the machine's memory changed speed between its rounds
+(a shared VM's bandwidth can move by 2x within minutes), and an op's ratio to a copy
+can differ between the two states (docs/performance.md, Zen 4, 2026-12-06).
 
     python3 scripts/targets.py                      # 3 rounds, AVX-512 (if any) and AVX2
     python3 scripts/targets.py --rounds 5 --isa avx2 --json-out runs.jsonl
@@ -46,6 +49,8 @@ TARGETS = {
 }
 EX = {"forward_training_ex": "forward_training", "backward_training_ex": "backward_training"}
 EX_FACTOR = 1.2
+# A cell's copy GB/s, fastest round over slowest, above which the cell is marked `~`.
+COPY_SPREAD = 1.3
 OPS = list(TARGETS) + list(EX)
 SHAPES = ["64,56,56,256", "64,112,112,64"]
 DTYPES = ["f32", "bf16", "f16"]
@@ -135,10 +140,13 @@ def score(records):
     # Each cell's figure by round (records without a round, as `fusedbn bench --json`
     # output given to --from, count as their own round each).
     by_round = collections.defaultdict(dict)
+    copies = collections.defaultdict(list)
     bad = [r for r in records if r.get("check", "ok") != "ok"]
     for i, r in enumerate(records):
         runs[key(r)].append(r["copy_ratio"])
         by_round[key(r)][r.get("round", f"record {i}")] = r["copy_ratio"]
+        if r.get("copy_gbps"):
+            copies[key(r)].append(r["copy_gbps"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     cells = {}
     for k, v in runs.items():
@@ -165,6 +173,7 @@ def score(records):
             "target": target,
             "miss": m > target + 1e-9,
             "undecided": min(v) <= target < max(v),
+            "copy_moved": len(copies[k]) > 1 and max(copies[k]) > COPY_SPREAD * min(copies[k]),
             "rounds": len(v),
             "base": med.get((EX[op],) + k[1:]) if op in EX else None,
         }
@@ -183,6 +192,8 @@ def table(cells, isas, dtypes):
             s += "!"
         if c["undecided"]:
             s += "?"
+        if c["copy_moved"]:
+            s += "~"
         return s
 
     rows = sorted({(k[0], k[1], k[4]) for k in cells},
@@ -261,9 +272,12 @@ def main():
     undecided = sum(c["undecided"] for c in cells.values())
     rounds = sorted({c["rounds"] for c in cells.values()})
     always = sum(c["always"] for c in cells.values())
+    moved = sum(c["copy_moved"] for c in cells.values())
+    moved_misses = sum(c["copy_moved"] and c["miss"] for c in cells.values())
     print(f"\nMissed: {misses} of {len(cells)} cells (median of {'/'.join(map(str, rounds))} "
           f"rounds each); {undecided} cells had rounds on both sides of their target (`?`); "
-          f"{always} missed in every round.")
+          f"{always} missed in every round; in {moved} cells ({moved_misses} of them missed) "
+          f"the copy ran over {COPY_SPREAD}x faster in one round than in another (`~`).")
     if bad:
         print(f"{len(bad)} records did not match the reference: "
               + ", ".join(sorted({' '.join(map(str, key(r))) for r in bad})))
