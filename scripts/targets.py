@@ -145,8 +145,12 @@ def score(records):
     for i, r in enumerate(records):
         runs[key(r)].append(r["copy_ratio"])
         by_round[key(r)][r.get("round", f"record {i}")] = r["copy_ratio"]
-        if r.get("copy_gbps"):
-            copies[key(r)].append(r["copy_gbps"])
+        # The copy's speed (GB/s; from its bytes and time where a record has no
+        # copy_gbps: the bytes are the same in every round of a cell).
+        speed = r.get("copy_gbps") or (r["bytes"] / r["copy_ms"] / 1e6
+                                       if r.get("bytes") and r.get("copy_ms") else None)
+        if speed:
+            copies[key(r)].append(speed)
     med = {k: statistics.median(v) for k, v in runs.items()}
     cells = {}
     for k, v in runs.items():
