@@ -492,23 +492,32 @@ fn resident_channels_of_a_million_elements() {
 /// supported ISA.
 #[test]
 fn side_gradient_resident_at_half_a_million_per_channel() {
+    let shapes = [[1, 720, 720, 4], [4, 360, 360, 4]];
+    let sized = shapes
+        .iter()
+        .flat_map(|s| [(DType::F32, *s), (DType::BF16, *s)]);
+    check_all(nchw_side_gradients(sized), 8);
+}
+
+/// The NCHW Ex gradient in training with its side input's gradient (Relu), for each
+/// `(dtype, shape)`: on every supported ISA, far from zero and with a constant
+/// gradient.
+fn nchw_side_gradients(sized: impl IntoIterator<Item = (DType, [usize; 4])>) -> Vec<Case> {
     let mut cases = Vec::new();
-    for shape in [[1, 720, 720, 4], [4, 360, 360, 4]] {
+    for (dtype, shape) in sized {
         for isa in fusedbn::Isa::supported() {
-            for dtype in [DType::F32, DType::BF16] {
-                for fill in [far(dtype), constant(dtype)] {
-                    let case = Case::new(Op::FusedBatchNormGradEx, DataFormat::Nchw, &shape, dtype)
-                        .expect("valid case")
-                        .training(true)
-                        .fill(fill)
-                        .isa(isa)
-                        .ex(true, true);
-                    cases.push(case);
-                }
+            for fill in [far(dtype), constant(dtype)] {
+                let case = Case::new(Op::FusedBatchNormGradEx, DataFormat::Nchw, &shape, dtype)
+                    .expect("valid case")
+                    .training(true)
+                    .fill(fill)
+                    .isa(isa)
+                    .ex(true, true);
+                cases.push(case);
             }
         }
     }
-    check_all(cases, 8);
+    cases
 }
 
 /// Short channel-major rows with a tail (7×7: 49 elements, 14×14: 196, neither a
@@ -564,24 +573,9 @@ fn short_rows_with_tails_at_millions_per_channel() {
 /// channel of four tensors holds at 2 MiB), every supported ISA.
 #[test]
 fn ex_gradient_of_streamed_tensors_with_l2_sized_channels() {
-    let mut cases = Vec::new();
-    for (dtype, n) in [(DType::BF16, 32), (DType::F32, 16)] {
-        for isa in fusedbn::Isa::supported() {
-            for fill in [far(dtype), constant(dtype)] {
-                let case = Case::new(
-                    Op::FusedBatchNormGradEx,
-                    DataFormat::Nchw,
-                    &[n, 56, 56, 256],
-                    dtype,
-                )
-                .expect("valid case")
-                .training(true)
-                .fill(fill)
-                .isa(isa)
-                .ex(true, true);
-                cases.push(case);
-            }
-        }
-    }
-    check_all(cases, 8);
+    let sized = [
+        (DType::BF16, [32, 56, 56, 256]),
+        (DType::F32, [16, 56, 56, 256]),
+    ];
+    check_all(nchw_side_gradients(sized), 8);
 }
