@@ -163,6 +163,10 @@ def write_case(out_dir, name, op, attrs, inputs, input_order, outputs, output_na
     outmap = dict(zip(output_names, outputs))
     for k in expected_names:
         np.save(os.path.join(d, "expected", k + ".npy"), outmap[k], allow_pickle=False)
+    # JSON has no NaN or infinity: a non-finite attribute is written as the string
+    # the library's attribute parser takes ("NaN", "inf", "-inf").
+    attrs = {k: (repr(v).replace("nan", "NaN") if isinstance(v, float) and not np.isfinite(v) else v)
+             for k, v in attrs.items()}
     case = {
         "op": op,
         "attrs": attrs,
@@ -427,6 +431,48 @@ def generate(out_dir):
                          "(mean 11/6, biased variance 57.4722): scale_backprop ~ -1.6488.")
 
 
+def generate_hostile_attrs(out_dir):
+    """Attributes TensorFlow's CPU kernels accept without a check: a negative, zero, NaN
+    or infinite epsilon and an exponential_avg_factor outside [0, 1] or NaN. TF computes
+    with them (NaN where variance + epsilon < 0, infinity where it is 0); so must we."""
+    nan, inf = float("nan"), float("inf")
+    # std 0.3-0.9 a channel: variance + epsilon below 0 in some channels, above in others.
+    fwd_case(out_dir, "v3_fwd_train_nhwc_f32_epsneg", "V3", "NHWC", "f32", "train",
+             (2, 5, 3, 7), eps=-0.5, xstd=0.6,
+             extra_note="epsilon -0.5: y NaN in the channels whose variance is below 0.5.")
+    fwd_case(out_dir, "v3_fwd_infer_nchw_f32_epsneg", "V3", "NCHW", "f32", "infer",
+             (2, 4, 3, 5), eps=-0.5,
+             stats_override=(np.array([3, 2, 4, 3, 1], F32), np.array([0.1, 0.4, 0.6, 2, 0.5], F32)),
+             extra_note="epsilon -0.5 in inference: variance + epsilon -0.4, -0.1, 0.1, 1.5 and "
+                        "0 (y infinite there).")
+    fwd_case(out_dir, "v3_fwd_train_nhwc_f32_epsnan", "V3", "NHWC", "f32", "train",
+             (2, 3, 4, 5), eps=nan, extra_note="epsilon NaN: y NaN, the statistics finite.")
+    fwd_case(out_dir, "v3_fwd_infer_nhwc_bf16_epsinf", "V3", "NHWC", "bf16", "infer",
+             (2, 3, 4, 6), eps=inf, extra_note="epsilon infinite: y equals offset.")
+    xc = np.random.default_rng(7).standard_normal((2, 3, 4, 4)).astype(F32)
+    xc[..., 2] = 2.5
+    fwd_case(out_dir, "v3_fwd_train_nhwc_f32_eps0_const", "V3", "NHWC", "f32", "train",
+             (2, 3, 4, 4), eps=0.0, x_override=xc,
+             extra_note="epsilon 0 and a constant channel 2: variance 0, (x - mean) · ∞ = NaN there.")
+    fwd_case(out_dir, "v3_fwd_train_avg_nhwc_f32_factor2", "V3", "NHWC", "f32", "train_avg",
+             (2, 3, 4, 5), factor=2.0, extra_note="exponential_avg_factor 2: running statistics "
+                                                   "extrapolated past the batch's.")
+    fwd_case(out_dir, "v3_fwd_train_avg_nchw_f16_factorneg", "V3", "NCHW", "f16", "train_avg",
+             (2, 3, 4, 5), factor=-1.0, extra_note="exponential_avg_factor -1.")
+    fwd_case(out_dir, "v3_fwd_train_avg_nhwc_f32_factornan", "V3", "NHWC", "f32", "train_avg",
+             (2, 3, 4, 5), factor=nan, extra_note="exponential_avg_factor NaN: NaN running "
+                                                  "statistics, y from the batch's.")
+    grad_case(out_dir, "v3_grad_train_nhwc_f32_epsneg", "V3", "NHWC", "f32", "train",
+              (2, 5, 3, 7), eps=-0.5, xstd=0.6,
+              extra_note="epsilon -0.5: NaN where the batch variance is below 0.5.")
+    grad_case(out_dir, "v3_grad_infer_nchw_bf16_epsneg", "V3", "NCHW", "bf16", "infer",
+              (2, 4, 3, 5), eps=-0.5,
+              rs_override=(np.array([3, 2, 4, 3, 1], F32), np.array([0.1, 0.4, 0.6, 2, 0.5], F32)),
+              extra_note="epsilon -0.5 in inference: variance + epsilon -0.4, -0.1, 0.1, 1.5, 0.")
+    grad_case(out_dir, "v3_grad_infer_nhwc_f32_epsnan", "V3", "NHWC", "f32", "infer",
+              (2, 3, 4, 5), eps=nan, extra_note="epsilon NaN.")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -440,6 +486,7 @@ def main():
         if os.path.isdir(p) and os.path.exists(os.path.join(p, "case.json")):
             shutil.rmtree(p)
     generate(out_dir)
+    generate_hostile_attrs(out_dir)
     print(f"TensorFlow {tf.__version__}: wrote {len(CASES)} cases to {out_dir}")
     if REJECTIONS:
         print("Combinations rejected by TF's CPU kernel (computed channels-last instead):")

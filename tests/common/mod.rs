@@ -110,7 +110,7 @@ pub fn eps(d: DType) -> f64 {
 }
 
 /// Checks `got` against TensorFlow's `expected`: same dtype and shape, NaN where
-/// TensorFlow has NaN, and every element within
+/// TensorFlow has NaN, the same infinity where it has one, and every other element within
 /// `rel·max|expected| + 2·eps(T)·|expected|` where `rel` is 1e-4 for f32 data
 /// (SPEC §7) — so half outputs may differ from TF's by one rounding of T.
 pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String> {
@@ -138,6 +138,14 @@ pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String
         if b.is_nan() {
             if !a.is_nan() {
                 return Err(format!("{what}[{i}]: got {a}, expected NaN"));
+            }
+            continue;
+        }
+        // An infinity must be the same infinity (with one, the tolerance below is
+        // infinite and would pass anything).
+        if a.is_infinite() || b.is_infinite() {
+            if a != b {
+                return Err(format!("{what}[{i}]: got {a}, expected {b}"));
             }
             continue;
         }
