@@ -923,6 +923,27 @@ pub fn relative_tolerance(u: DType) -> f64 {
 /// output, the element (its channel and storage index) and both values.
 pub fn check(want: &Reference, outputs: &Outputs) -> Result<Report> {
     let g = &want.geometry;
+    // A `Reference`'s fields are public: one edited into an impossible state (a channel
+    // past C, a geometry whose size overflows) is an error here, not an index out of
+    // bounds in the loops below.
+    let size = g
+        .outer
+        .checked_mul(g.channels)
+        .and_then(|n| n.checked_mul(g.inner));
+    if size.is_none() {
+        return Err(Error::arg(
+            "reference",
+            "a geometry whose size fits in usize",
+            format!("{g:?}"),
+        ));
+    }
+    if let Some(&c) = want.channels.iter().find(|&&c| c >= g.channels) {
+        return Err(Error::arg(
+            "reference",
+            format!("channels below {}", g.channels),
+            format!("channel {c}"),
+        ));
+    }
     let rel = relative_tolerance(want.stat_dtype);
     let mut report = Report {
         outputs: Vec::new(),

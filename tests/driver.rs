@@ -115,3 +115,40 @@ fn check_in_parallel_tasks_finds_the_wrong_value_and_meets_infinities() {
         }
     }
 }
+
+/// A `Reference`'s fields are public: edited into an impossible state (a channel past
+/// C, a geometry whose size overflows, fewer channels than it lists) it makes `check`
+/// fail with an error, never panic.
+#[test]
+fn check_refuses_an_edited_reference() {
+    let op = Op::FusedBatchNormV3;
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        let case = Case::new(op, format, &[2, 3, 4, 5], DType::F32)
+            .expect("valid case")
+            .training(true);
+        let inputs = case.inputs().expect("inputs");
+        let got = case.run(&inputs).expect("the op runs");
+        let want = reference(op, &case.named(&inputs), &case.attrs, None).expect("reference");
+        check(&want, &got).expect("the unedited reference passes");
+
+        // With the per-channel outputs alone a channel past C was read as `v[5]` of 5
+        // values: an index out of bounds.
+        let mut past = want.clone();
+        past.outputs.retain(|e| e.name == "batch_mean");
+        past.channels[0] = 5;
+        let e = check(&past, &got).expect_err("a channel past C");
+        assert!(e.to_string().contains("channel 5"), "{e}");
+
+        let mut huge = want.clone();
+        huge.geometry.outer = usize::MAX / 2;
+        check(&huge, &got).expect_err("a geometry whose size overflows");
+
+        let mut fewer = want.clone();
+        fewer.geometry.channels = 2;
+        check(&fewer, &got).expect_err("fewer channels than the reference lists");
+
+        let mut none = want.clone();
+        none.geometry.channels = 0;
+        check(&none, &got).expect_err("no channels");
+    }
+}
