@@ -36,6 +36,23 @@ pub(super) unsafe fn run<K: Kernel<f32>>(k: K) -> K::Output {
     unsafe { run_with(k, has_bf16()) }
 }
 
+/// [`run`] with the BF16 conversions left unused, as on an AVX-512 CPU without them
+/// (Skylake-X, Ice Lake): on a CPU with them the tests run both narrowing paths.
+///
+/// # Safety
+/// As [`run`].
+#[cfg(test)]
+pub(super) unsafe fn run_without_bf16<K: Kernel<f32>>(k: K) -> K::Output {
+    // SAFETY: the caller's guarantee; with `bf16` false no BF16 instruction runs.
+    unsafe { run_with(k, false) }
+}
+
+/// Whether this CPU has the AVX-512 BF16 conversions (for the tests).
+#[cfg(test)]
+pub(super) fn cpu_has_bf16() -> bool {
+    has_bf16()
+}
+
 /// # Safety
 /// As [`run`]. `avx512bf16` is enabled for the whole kernel so that `to_bf16x2` can use
 /// it, but its instructions are reached only behind `Avx512::bf16`, true only where the

@@ -967,6 +967,53 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
+    /// What a test runs a kernel on: an ISA, or on a CPU with AVX-512 BF16 also the
+    /// AVX-512 kernels with those conversions unused (the path of AVX-512 CPUs without
+    /// them), so that both narrowing paths are tested on such a machine.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Target {
+        Isa(Isa),
+        Avx512WithoutBf16,
+    }
+
+    impl Target {
+        fn all() -> Vec<Target> {
+            let mut v: Vec<Target> = Isa::supported().into_iter().map(Target::Isa).collect();
+            #[cfg(target_arch = "x86_64")]
+            if Isa::Avx512.is_supported() && avx512::cpu_has_bf16() {
+                v.push(Target::Avx512WithoutBf16);
+            }
+            v
+        }
+
+        fn run<K: Kernel<f32>>(self, k: K) -> K::Output {
+            match self {
+                Target::Isa(isa) => isa.run(k),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: made by `all` only where the CPU has AVX-512 (F, BW, VL, DQ).
+                Target::Avx512WithoutBf16 => unsafe { avx512::run_without_bf16(k) },
+                #[cfg(not(target_arch = "x86_64"))]
+                Target::Avx512WithoutBf16 => unreachable!("made only on x86-64"),
+            }
+        }
+
+        fn lanes(self) -> usize {
+            match self {
+                Target::Isa(Isa::Avx512) | Target::Avx512WithoutBf16 => 16,
+                Target::Isa(_) => 8,
+            }
+        }
+    }
+
+    impl fmt::Display for Target {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            match self {
+                Target::Isa(isa) => write!(f, "{isa}"),
+                Target::Avx512WithoutBf16 => f.write_str("avx512 without BF16"),
+            }
+        }
+    }
+
     /// Round-trips `src` through one ISA's loads and stores: full vectors, then a
     /// partial tail.
     struct RoundTrip<'a, T> {
@@ -1037,7 +1084,7 @@ mod tests {
 
     fn check<T: Element<Stat = f32> + PartialEq>(to_bits: fn(T) -> u16) {
         let src = awkward();
-        for isa in Isa::supported() {
+        for isa in Target::all() {
             // Every tail length of every ISA (16 lanes at most), and a long run.
             let lens = (0..=33).chain([src.len()]);
             for len in lens {
@@ -1122,14 +1169,15 @@ mod tests {
         }
     }
 
-    /// `src` narrowed by every pair store of every ISA, with `consts` as in [`Pairs`],
-    /// against the `half` crate.
+    /// `src` narrowed by every pair store of every ISA (and of AVX-512 without its BF16
+    /// conversions, see [`Target`]), with `consts` as in [`Pairs`], against the `half`
+    /// crate.
     fn pairs_of<T: Element<Stat = f32> + PartialEq>(
         to_bits: fn(T) -> u16,
         src: &[f32],
         consts: Option<&[f32]>,
     ) {
-        for isa in Isa::supported() {
+        for isa in Target::all() {
             let mut stored = vec![T::default(); src.len()];
             let mut streamed = vec![T::default(); src.len() + 16];
             let mut paired = vec![T::default(); src.len()];
@@ -1142,7 +1190,7 @@ mod tests {
                 paired: &mut paired,
                 single: &mut single,
             });
-            let lanes = if isa == Isa::Avx512 { 16 } else { 8 };
+            let lanes = isa.lanes();
             let n = src.len() / (2 * lanes) * (2 * lanes);
             let head = streamed.as_ptr().align_offset(lanes * size_of::<T>());
             for i in 0..n {
