@@ -462,3 +462,18 @@ fn tensorflow_fixtures_through_the_gpu() {
         failures.join("\n")
     );
 }
+
+/// A buffer whose size in bytes overflows `usize` is refused as too large; before,
+/// the size wrapped and the buffer was shorter than its length said.
+#[test]
+fn a_buffer_too_large_to_count_in_bytes_is_refused() {
+    let Some(gpu) = gpu("a_buffer_too_large_to_count_in_bytes_is_refused") else {
+        return;
+    };
+    let r = gpu.alloc::<f32>(usize::MAX / 2);
+    assert!(
+        matches!(r, Err(fusedbn::Error::TooLarge { .. })),
+        "{:?}",
+        r.map(|b| b.len())
+    );
+}

@@ -130,6 +130,7 @@ fn unsupported(dtype: DType) -> Error {
 
 /// True when libnvrtc can be loaded (compiling needs no GPU).
 pub fn nvrtc_present() -> bool {
+    // SAFETY: a dlopen of libnvrtc (whose initializers run); nothing of it is called.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
@@ -351,6 +352,7 @@ pub struct DeviceGradOut<'a, T> {
 
 /// True when a CUDA driver library can be loaded (a GPU may still be absent).
 pub fn driver_present() -> bool {
+    // SAFETY: a dlopen of libcuda (whose initializers run); nothing of it is called.
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
@@ -363,7 +365,9 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| device_err(format!("cannot open CUDA device {ordinal}: {e}")))?;
-        // One stream, in order: no per-buffer events needed.
+        // SAFETY: without the tracking events, work on two streams would need its own
+        // synchronization; every buffer of this context is used on its one stream
+        // (`stream` below), in order, so there is none to need.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let attr = |a| ctx.attribute(a).map_err(device_err);
@@ -479,7 +483,15 @@ impl Gpu {
 
     /// A buffer of `len` elements (contents unspecified until written).
     pub fn alloc<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let bytes = (len * std::mem::size_of::<T>()).max(16);
+        // Checked: a wrapped size would give a buffer shorter than `len` says.
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::TooLarge { shape: vec![len] })?
+            .max(16);
+        // SAFETY: the bytes are uninitialized device memory: `u8` has no invalid values,
+        // and they reach the host only as elements of an `Element` type (f16, bf16,
+        // f32, f64), every bit pattern of which is a value (unspecified until written,
+        // as documented).
         let raw = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(device_err)?;
         Ok(DeviceBuffer {
             raw,
@@ -560,6 +572,9 @@ impl Gpu {
             .lock()
             .map_err(|_| device_err("scratch poisoned"))?;
         if s.as_ref().is_none_or(|b| b.len() < bytes) {
+            // SAFETY: uninitialized device memory, `u8` of any value; the scratch never
+            // reaches the host (the ops' kernels write its partials and coefficients
+            // before the next kernel on the in-order stream reads them).
             let raw = unsafe { self.stream.alloc::<u8>(bytes.max(1 << 16)) }.map_err(device_err)?;
             *s = Some(raw);
         }
