@@ -22,6 +22,12 @@
 //! the kernels do not take, every entry point calls burn's own operation: the
 //! result is then exactly burn's. [`is_fused`] says which path a tensor takes.
 //!
+//! Not supported: second-order gradients (the gradient of the gradient), since the
+//! backward is one kernel call and is not itself differentiable: a double backward
+//! (`Autodiff<Autodiff<Flex>>`) panics with a message saying so, burn's backward
+//! having no way to return an error; and the fused side input + ReLU epilogue of
+//! fusedbn's Ex ops, which burn's batch norm has no place for.
+//!
 //! ```
 //! use burn::tensor::{Device, Tensor};
 //! use fusedbn_burn::{BatchNorm, BatchNormConfig};

@@ -673,7 +673,10 @@ impl Problem {
     ///
     /// Fails on every rank when the ranks disagree on the channel count, epsilon,
     /// layout, element type, activation or running-statistics factor, or when any
-    /// rank's inputs are invalid; nothing is then written on any rank.
+    /// rank's inputs are invalid; nothing is then written on any rank. `affine` and the
+    /// running statistics are not compared: every rank must pass the same values (a
+    /// rank that passes others normalizes its shard with them and keeps its own running
+    /// statistics).
     /// See the [module documentation](crate::sync) for an example.
     pub fn forward_sync<T: Element>(
         &self,
