@@ -23,8 +23,6 @@
 use std::mem::size_of;
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
 use super::backward::{
     self, row_sums_out, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
@@ -32,35 +30,15 @@ use super::backward::{
 use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, resident_bytes, scratch, side_resident_streamed, ChannelMajorSplit,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES, TILE,
+    apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
+    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
+    TILE,
 };
 use crate::element::{Element, Real};
 
 mod cooperative;
 
 use cooperative::{run_parts, Claim, Exchange, Plan};
-
-/// Maps `f` over owned items (in parallel when `g` is large), results in order.
-fn map_items<I: Send, R: Send>(
-    g: &Geometry,
-    items: Vec<I>,
-    f: impl Fn(usize, I) -> R + Sync + Send,
-) -> Vec<R> {
-    if g.parallel() {
-        items
-            .into_par_iter()
-            .enumerate()
-            .map(|(i, v)| f(i, v))
-            .collect()
-    } else {
-        items
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| f(i, v))
-            .collect()
-    }
-}
 
 /// The rows of channel `c` at outer index `o` of each input.
 #[inline(always)]

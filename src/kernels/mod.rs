@@ -458,6 +458,49 @@ where
     }
 }
 
+/// [`for_each_row_chunk`] over two outputs of the same geometry at once (the same
+/// chunks of each): `f(first_row, a_chunk, b_chunk)`.
+pub(crate) fn for_each_row_chunk_pair<O, F>(g: &Geometry, a: &mut [O], b: &mut [O], f: F)
+where
+    O: Send,
+    F: Fn(usize, &mut [O], &mut [O]) + Sync + Send,
+{
+    let rpt = g.rows_per_task();
+    let chunk = (rpt * g.row_len()).max(1);
+    if g.parallel() {
+        a.par_chunks_mut(chunk)
+            .zip(b.par_chunks_mut(chunk))
+            .enumerate()
+            .for_each(|(i, (a, b))| f(i * rpt, a, b));
+    } else {
+        a.chunks_mut(chunk)
+            .zip(b.chunks_mut(chunk))
+            .enumerate()
+            .for_each(|(i, (a, b))| f(i * rpt, a, b));
+    }
+}
+
+/// Maps `f` over owned items (in parallel when `g` is large), results in order.
+pub(crate) fn map_items<I: Send, R: Send>(
+    g: &Geometry,
+    items: Vec<I>,
+    f: impl Fn(usize, I) -> R + Sync + Send,
+) -> Vec<R> {
+    if g.parallel() {
+        items
+            .into_par_iter()
+            .enumerate()
+            .map(|(i, v)| f(i, v))
+            .collect()
+    } else {
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| f(i, v))
+            .collect()
+    }
+}
+
 /// Maps `f` over task indices `0..n` (in parallel when `g` is large), results in order.
 pub(crate) fn map_tasks<R, F>(g: &Geometry, n: usize, f: F) -> Vec<R>
 where

@@ -11,14 +11,12 @@
 //!
 //! (In training μ comes from the statistics pass first: two reductions in all.)
 
-use rayon::prelude::*;
-
 use super::simd::{
     load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Writes, MAX_LANES,
 };
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, scratch, ChannelMajorSplit, ChannelTask, Geometry,
-    PixelSplit, Scratch,
+    channel_tiles, for_each_row_chunk_pair, next_cyclic, pixels_per_tile, scratch,
+    ChannelMajorSplit, ChannelTask, Geometry, PixelSplit, Scratch,
 };
 use crate::element::{Element, Real};
 
@@ -391,35 +389,20 @@ pub fn apply<T: Element>(
 ) {
     let ([g, x, a], (d_g, d_x)) = (ins, outs);
     let row_len = geo.row_len();
-    let parallel = geo.parallel();
-    let rows = geo.rows_per_task();
-    let chunk = (rows * row_len).max(1);
-    let run = |i: usize, (dg, dx): (&mut [T], &mut [T])| {
-        let off = i * chunk;
-        let ins = sub_n(&[g, x, a], off, Some(dg.len()));
+    for_each_row_chunk_pair(geo, d_g, d_x, |row0, dg, dx| {
+        let ins = sub_n(&[g, x, a], row0 * row_len, Some(dg.len()));
         T::Stat::dispatch(
             isa,
             Apply {
                 geo,
-                row0: i * rows,
+                row0,
                 ins,
                 k,
                 dg,
                 dx,
             },
         );
-    };
-    if parallel {
-        d_g.par_chunks_mut(chunk)
-            .zip(d_x.par_chunks_mut(chunk))
-            .enumerate()
-            .for_each(|(i, o)| run(i, o));
-    } else {
-        d_g.chunks_mut(chunk)
-            .zip(d_x.chunks_mut(chunk))
-            .enumerate()
-            .for_each(|(i, o)| run(i, o));
-    }
+    });
 }
 
 struct Apply<'a, T: Element> {
