@@ -346,6 +346,8 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     fn load_partial<T: Element<Stat = f32>>(self, src: &[T]) -> __m512 {
         let (p, m) = (src.as_ptr(), mask(src.len().min(L)));
+        // SAFETY: the mask enables the first `min(len, 16)` lanes, all inside `src`; a
+        // masked-off lane is neither read nor faulted on (AVX-512 masked loads).
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p.cast())),
@@ -357,6 +359,8 @@ impl Simd<f32> for Avx512 {
     #[inline(always)]
     fn store_partial<T: Element<Stat = f32>>(self, dst: &mut [T], v: __m512) {
         let (p, m) = (dst.as_mut_ptr(), mask(dst.len().min(L)));
+        // SAFETY: the mask enables the first `min(len, 16)` lanes, all inside `dst`; a
+        // masked-off lane is not written (AVX-512 masked stores).
         unsafe {
             match T::DTYPE {
                 DType::F16 => _mm256_mask_storeu_epi16(p.cast(), m, _mm512_cvtps_ph::<RNE>(v)),
