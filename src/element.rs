@@ -4,10 +4,84 @@
 //! [`Element::Stat`] on load, computes in that type, and rounds once on store.
 
 use half::{bf16, f16};
-use std::fmt::Debug;
+use std::fmt::{self, Debug};
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use crate::tensor::{DType, TensorData};
+use crate::error::{Error, Result};
+use crate::tensor::TensorData;
+
+/// The element type of a [`Tensor`](crate::Tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary16.
+    F16,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    BF16,
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary64 (an extension: TensorFlow's fused ops have no f64 CPU kernel).
+    F64,
+}
+
+impl DType {
+    /// TensorFlow's name for the type (`half`, `bfloat16`, `float`, `double`).
+    pub fn tf_name(self) -> &'static str {
+        match self {
+            DType::F16 => "half",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float",
+            DType::F64 => "double",
+        }
+    }
+
+    /// Unit roundoff: half the distance from 1 to the next value (2^-11 for f16,
+    /// 2^-8 for bf16, 2^-24 for f32, 2^-53 for f64). Rounding to this type changes a
+    /// value `v` by at most `epsilon()·|v|`.
+    pub fn epsilon(self) -> f64 {
+        match self {
+            DType::F16 => 2f64.powi(-11),
+            DType::BF16 => 2f64.powi(-8),
+            DType::F32 => 2f64.powi(-24),
+            DType::F64 => 2f64.powi(-53),
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        })
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = Error;
+    /// Parses `f16`, `bf16`, `f32`, `f64` (also TensorFlow's `half`, `bfloat16`,
+    /// `float`, `double`).
+    fn from_str(s: &str) -> Result<Self> {
+        [DType::F16, DType::BF16, DType::F32, DType::F64]
+            .into_iter()
+            .find(|d| d.to_string() == s || d.tf_name() == s)
+            .ok_or_else(|| Error::InvalidAttr {
+                name: "dtype".into(),
+                expected: "one of f16, bf16, f32, f64".into(),
+                found: s.into(),
+            })
+    }
+}
 
 mod sealed {
     pub trait Sealed {}
