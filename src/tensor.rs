@@ -5,7 +5,8 @@ use half::{bf16, f16};
 use crate::element::Element;
 use crate::error::{Error, Result};
 
-// `DType` lives with `Element` (the kernels use it; they do not import this module).
+// `DType` is defined with `Element`, which the kernels use: they need nothing of this
+// module.
 pub use crate::element::DType;
 
 /// The elements of a [`Tensor`], one variant per [`DType`].

@@ -139,16 +139,21 @@ fn check_refuses_an_edited_reference() {
         let e = check(&past, &got).expect_err("a channel past C");
         assert!(e.to_string().contains("channel 5"), "{e}");
 
+        // Refused by the checks at the entry (the messages say so), not by the length
+        // comparison further on, which a wrapped size could have passed.
         let mut huge = want.clone();
         huge.geometry.outer = usize::MAX / 2;
-        check(&huge, &got).expect_err("a geometry whose size overflows");
+        let e = check(&huge, &got).expect_err("a geometry whose size overflows");
+        assert!(e.to_string().contains("fits in usize"), "{e}");
 
         let mut fewer = want.clone();
         fewer.geometry.channels = 2;
-        check(&fewer, &got).expect_err("fewer channels than the reference lists");
+        let e = check(&fewer, &got).expect_err("fewer channels than the reference lists");
+        assert!(e.to_string().contains("channels below 2"), "{e}");
 
         let mut none = want.clone();
         none.geometry.channels = 0;
-        check(&none, &got).expect_err("no channels");
+        let e = check(&none, &got).expect_err("no channels");
+        assert!(e.to_string().contains("channels below 0"), "{e}");
     }
 }

@@ -15,8 +15,7 @@ use std::mem::size_of;
 
 use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
 use super::{for_each_row_chunk, next_cyclic, Geometry, MAX_PERIOD};
-use crate::element::DType;
-use crate::element::{Element, Real};
+use crate::element::{DType, Element, Real};
 
 /// What the forward pass does after the affine map: add an optional residual
 /// (`side_input`, the shape of x) and apply an optional ReLU — TensorFlow's

@@ -446,7 +446,7 @@ pub(crate) const KIND_BACKWARD: u8 = 2;
 pub(crate) const KIND_LOCAL: u8 = 3;
 
 impl Descriptor {
-    pub(crate) fn of(problem: &Problem, kind: u8, dtype: crate::tensor::DType) -> Self {
+    pub(crate) fn of(problem: &Problem, kind: u8, dtype: crate::element::DType) -> Self {
         Descriptor {
             kind,
             op: 0,
@@ -479,8 +479,8 @@ impl Descriptor {
     }
 }
 
-fn dtype_code(d: crate::tensor::DType) -> u8 {
-    use crate::tensor::DType;
+fn dtype_code(d: crate::element::DType) -> u8 {
+    use crate::element::DType;
     match d {
         DType::F16 => 1,
         DType::BF16 => 2,
@@ -490,7 +490,7 @@ fn dtype_code(d: crate::tensor::DType) -> u8 {
 }
 
 fn dtype_name(code: f64) -> String {
-    use crate::tensor::DType;
+    use crate::element::DType;
     match code as u8 {
         1 => DType::F16.to_string(),
         2 => DType::BF16.to_string(),

@@ -141,8 +141,9 @@ pub fn compare(what: &str, got: &Tensor, expected: &Tensor) -> Result<(), String
             }
             continue;
         }
-        // An infinity must be the same infinity (with one, the tolerance below is
-        // infinite and would pass anything).
+        // An infinity must be the same infinity. Through the tolerance below (infinite
+        // where either value is) an opposite infinity, or one against a finite value,
+        // passed, and the same infinity failed (its difference is NaN).
         if a.is_infinite() || b.is_infinite() {
             if a != b {
                 return Err(format!("{what}[{i}]: got {a}, expected {b}"));

@@ -5,8 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::{Body, Kernel, Simd};
-use crate::element::DType;
-use crate::element::Element;
+use crate::element::{DType, Element};
 
 /// Token of the AVX2 ISA; made only by [`run`].
 #[derive(Clone, Copy, Debug)]

@@ -11,8 +11,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::{Body, Kernel, Simd};
-use crate::element::DType;
-use crate::element::Element;
+use crate::element::{DType, Element};
 
 /// Token of the AVX-512 ISA; made only by [`run`]. `bf16`: the CPU has AVX-512 BF16
 /// (checked once per process).

@@ -13,8 +13,7 @@
 use wide::{f32x8, f64x8, u16x8, u32x8};
 
 use super::{Body, Simd};
-use crate::element::DType;
-use crate::element::Element;
+use crate::element::{DType, Element};
 
 /// Token of the portable ISA (always available).
 #[derive(Clone, Copy, Debug, Default)]
