@@ -524,15 +524,25 @@ fn whole_vectors<U: Real, S: Simd<U>, T: Element<Stat = U>, const SPLAT: bool>(
     vectors: usize,
     k: &[[S::V; 8]],
 ) {
-    // Once, so that the loop's indexing needs no checks of its own.
+    // Once, so that the loop needs no checks of its own: the constants, and vectors
+    // `j0..j0 + vectors` of the inputs and of both outputs.
     assert!(!k.is_empty() && (SPLAT || k.len() >= vectors));
+    let end = j0 + vectors;
+    assert!(end <= r.vectors() && end <= w.vectors() && r.lanes_of(s) && w.lanes_of(s));
     for i in 0..vectors / 2 {
         let j = 2 * i;
-        let ([g0, x0, a0], [g1, x1, a1]) = (r.load(s, j0 + j), r.load(s, j0 + j + 1));
+        // SAFETY: `j + 1 < vectors`, so vectors `j0 + j` and `j0 + j + 1` lie below
+        // `end`, at most the inputs' and the outputs' whole vectors, and the lanes are
+        // `S`'s (all checked above); the outputs are 0 and 1 of two.
+        let ([g0, x0, a0], [g1, x1, a1]) =
+            unsafe { (r.load_unchecked(s, j0 + j), r.load_unchecked(s, j0 + j + 1)) };
         let (vg0, vx0) = eval(s, g0, x0, a0, &k[if SPLAT { 0 } else { j }]);
         let (vg1, vx1) = eval(s, g1, x1, a1, &k[if SPLAT { 0 } else { j + 1 }]);
-        w.store2(s, 0, j0 + j, vg0, vg1);
-        w.store2(s, 1, j0 + j, vx0, vx1);
+        // SAFETY: as above.
+        unsafe {
+            w.store2_unchecked(s, 0, j0 + j, vg0, vg1);
+            w.store2_unchecked(s, 1, j0 + j, vx0, vx1);
+        }
     }
     if vectors % 2 == 1 {
         let j = vectors - 1;

@@ -940,6 +940,41 @@ impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
         }
     }
 
+    /// Whole vectors.
+    #[inline(always)]
+    pub fn vectors(&self) -> usize {
+        self.vectors
+    }
+
+    /// Whether `S`'s vectors are the `lanes` of [`Writes::new`] (the precondition of
+    /// the unchecked store, besides the indices).
+    #[inline(always)]
+    pub fn lanes_of<S: Simd<T::Stat>>(&self, _s: S) -> bool {
+        S::LANES == self.lanes
+    }
+
+    /// Writes vectors `j` and `j + 1` of output `i` (`a` first), as
+    /// [`Simd::store2_ptr`]: one narrowing for both where the ISA has one. Unchecked:
+    /// pairs are stored only in hot loops, which prove their range once.
+    ///
+    /// # Safety
+    /// `i < M`, `j + 1 < self.vectors()` and `self.lanes_of(s)`.
+    #[inline(always)]
+    pub unsafe fn store2_unchecked<S: Simd<T::Stat>>(
+        &mut self,
+        s: S,
+        i: usize,
+        j: usize,
+        a: S::V,
+        b: S::V,
+    ) {
+        debug_assert!(i < M && j + 1 < self.vectors && S::LANES == self.lanes);
+        // SAFETY: `(j + 2)·lanes <= len` (the caller's guarantee) and every output holds
+        // at least `len` elements (checked in `new`); the outputs are borrowed mutably
+        // for the life of `self`.
+        unsafe { s.store2_ptr(self.outs.get_unchecked(i).add(j * self.lanes), a, b) }
+    }
+
     /// Writes vector `j` of output `i`.
     #[inline(always)]
     pub fn store<S: Simd<T::Stat>>(&mut self, s: S, i: usize, j: usize, v: S::V) {
@@ -948,17 +983,6 @@ impl<'a, T: Element, const M: usize> Writes<'a, T, M> {
         // (checked in `new`); the outputs are borrowed mutably for the life of `self`,
         // and `self.outs[i]` panics for `i >= M` before any write.
         unsafe { s.store_ptr(self.outs[i].add(j * self.lanes), v) }
-    }
-
-    /// Writes vectors `j` and `j + 1` of output `i` (`a` first), as
-    /// [`Simd::store2_ptr`]: one narrowing for both where the ISA has one.
-    #[inline(always)]
-    pub fn store2<S: Simd<T::Stat>>(&mut self, s: S, i: usize, j: usize, a: S::V, b: S::V) {
-        assert!(j + 1 < self.vectors && S::LANES == self.lanes);
-        // SAFETY: `(j + 2)·lanes <= len` and every output holds at least `len` elements
-        // (checked in `new`); the outputs are borrowed mutably for the life of `self`,
-        // and `self.outs[i]` panics for `i >= M` before any write.
-        unsafe { s.store2_ptr(self.outs[i].add(j * self.lanes), a, b) }
     }
 }
 
