@@ -436,15 +436,16 @@ def generate_hostile_attrs(out_dir):
     or infinite epsilon and an exponential_avg_factor outside [0, 1] or NaN. TF computes
     with them (NaN where variance + epsilon < 0, infinity where it is 0); so must we."""
     nan, inf = float("nan"), float("inf")
+    # Population statistics whose variance + epsilon (-0.5) is -0.4, -0.1, 0.1, 1.5 and 0.
+    mixed = (np.array([3, 2, 4, 3, 1], F32), np.array([0.1, 0.4, 0.6, 2, 0.5], F32))
+    mixed_note = "epsilon -0.5 in inference: variance + epsilon -0.4, -0.1, 0.1, 1.5 and 0"
     # std 0.3-0.9 a channel: variance + epsilon below 0 in some channels, above in others.
     fwd_case(out_dir, "v3_fwd_train_nhwc_f32_epsneg", "V3", "NHWC", "f32", "train",
              (2, 5, 3, 7), eps=-0.5, xstd=0.6,
              extra_note="epsilon -0.5: y NaN in the channels whose variance is below 0.5.")
     fwd_case(out_dir, "v3_fwd_infer_nchw_f32_epsneg", "V3", "NCHW", "f32", "infer",
              (2, 4, 3, 5), eps=-0.5,
-             stats_override=(np.array([3, 2, 4, 3, 1], F32), np.array([0.1, 0.4, 0.6, 2, 0.5], F32)),
-             extra_note="epsilon -0.5 in inference: variance + epsilon -0.4, -0.1, 0.1, 1.5 and "
-                        "0 (y infinite there).")
+             stats_override=mixed, extra_note=mixed_note + " (y infinite there).")
     fwd_case(out_dir, "v3_fwd_train_nhwc_f32_epsnan", "V3", "NHWC", "f32", "train",
              (2, 3, 4, 5), eps=nan, extra_note="epsilon NaN: y NaN, the statistics finite.")
     fwd_case(out_dir, "v3_fwd_infer_nhwc_bf16_epsinf", "V3", "NHWC", "bf16", "infer",
@@ -467,8 +468,7 @@ def generate_hostile_attrs(out_dir):
               extra_note="epsilon -0.5: NaN where the batch variance is below 0.5.")
     grad_case(out_dir, "v3_grad_infer_nchw_bf16_epsneg", "V3", "NCHW", "bf16", "infer",
               (2, 4, 3, 5), eps=-0.5,
-              rs_override=(np.array([3, 2, 4, 3, 1], F32), np.array([0.1, 0.4, 0.6, 2, 0.5], F32)),
-              extra_note="epsilon -0.5 in inference: variance + epsilon -0.4, -0.1, 0.1, 1.5, 0.")
+              rs_override=mixed, extra_note=mixed_note + ".")
     grad_case(out_dir, "v3_grad_infer_nhwc_f32_epsnan", "V3", "NHWC", "f32", "infer",
               (2, 3, 4, 5), eps=nan, extra_note="epsilon NaN.")
 
