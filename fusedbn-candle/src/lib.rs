@@ -42,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod functional;
+mod grad;
 mod module;
 mod op;
 

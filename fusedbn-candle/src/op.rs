@@ -1,5 +1,6 @@
 //! The fused batch norm as a candle [`CustomOp3`]: one forward kernel call, and a `bwd`
-//! that returns every gradient from one call of fusedbn's backward.
+//! that returns every gradient from one call of fusedbn's backward (as the outputs of
+//! the ops of [`crate::grad`], so that they can be differentiated again).
 //!
 //! # Arguments
 //!
@@ -25,7 +26,7 @@
 //! same op, with the same arguments, later. Recomputing the statistics in `bwd` would
 //! cost one more pass over `x`; storing them costs `2C` numbers.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -33,10 +34,11 @@ use candle_core::{
     WithDType,
 };
 use fusedbn::batch_norm::{
-    Activation, Affine, Backward, Epilogue, Forward, GradEpilogue, GradInputs, Gradients,
-    SavedStats, Statistics, TrainingStats,
+    Activation, Affine, Epilogue, Forward, SavedStats, Statistics, TrainingStats,
 };
 use fusedbn::{Element, Problem, Real};
+
+use crate::grad::{BatchNormGrad, Extras, GradParams, GradShared, SideGrad};
 
 /// Per-channel statistics, widened to `f64` (exact for the `f32` statistics of `f32`,
 /// `f16` and `bf16` data).
@@ -66,12 +68,12 @@ pub(crate) struct FusedBatchNorm {
     pub relu: bool,
 }
 
-fn err(e: fusedbn::Error) -> candle_core::Error {
+pub(crate) fn err(e: fusedbn::Error) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
 
 /// `C` values of a rank-1 argument, whatever its strides, widened to `f64`.
-fn per_channel(s: &CpuStorage, l: &Layout, start: usize, c: usize) -> Result<Vec<f64>> {
+pub(crate) fn per_channel(s: &CpuStorage, l: &Layout, start: usize, c: usize) -> Result<Vec<f64>> {
     fn read<T: WithDType>(v: &[T], l: &Layout, start: usize, c: usize) -> Result<Vec<f64>> {
         let stride = l.stride().first().copied().unwrap_or(1);
         (start..start + c)
@@ -95,23 +97,27 @@ fn per_channel(s: &CpuStorage, l: &Layout, start: usize, c: usize) -> Result<Vec
 }
 
 /// The contiguous elements of a CPU storage seen through `l`.
-fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+pub(crate) fn contiguous<'a, T: WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
     let Some((a, b)) = l.contiguous_offsets() else {
         bail!("fusedbn: {what} must be contiguous (the wrapper makes it so)")
     };
     Ok(&s.as_slice::<T>()?[a..b])
 }
 
-fn to_stat<U: Real>(v: &[f64]) -> Vec<U> {
+pub(crate) fn to_stat<U: Real>(v: &[f64]) -> Vec<U> {
     v.iter().map(|&a| U::from_f64(a)).collect()
 }
 
-fn to_f64<U: Real>(v: &[U]) -> Vec<f64> {
+pub(crate) fn to_f64<U: Real>(v: &[U]) -> Vec<f64> {
     v.iter().map(|&a| a.to_f64()).collect()
 }
 
 impl FusedBatchNorm {
-    fn activation(&self) -> Activation {
+    pub(crate) fn activation(&self) -> Activation {
         if self.relu {
             Activation::Relu
         } else {
@@ -171,7 +177,7 @@ impl FusedBatchNorm {
         Ok(y)
     }
 
-    fn stats(&self) -> Result<&Stats> {
+    pub(crate) fn stats(&self) -> Result<&Stats> {
         match &self.mode {
             Mode::Training(saved) => match saved.get() {
                 Some(s) => Ok(s),
@@ -180,57 +186,16 @@ impl FusedBatchNorm {
             Mode::Inference(s) => Ok(s),
         }
     }
-
-    /// `(dx, dside, dscale, doffset)`.
-    #[allow(clippy::type_complexity)]
-    fn backward<T: Element + WithDType>(
-        &self,
-        [x, y, dy]: [&[T]; 3],
-        scale: &[f64],
-    ) -> Result<(Vec<T>, Option<Vec<T>>, Vec<f64>, Vec<f64>)> {
-        let p = &self.problem;
-        let s = self.stats()?;
-        let (mean, variance) = (to_stat::<T::Stat>(&s.mean), to_stat::<T::Stat>(&s.variance));
-        let stats = Statistics {
-            mean: &mean,
-            variance: &variance,
-        };
-        let mode = match self.mode {
-            Mode::Training(_) => Backward::Training(stats),
-            Mode::Inference(_) => Backward::Inference(stats),
-        };
-        let scale = to_stat::<T::Stat>(scale);
-        let c = p.channels();
-        let mut dx = vec![T::default(); x.len()];
-        let mut dside = self.side_input.then(|| vec![T::default(); x.len()]);
-        let (mut dscale, mut doffset) = (vec![T::Stat::ZERO; c], vec![T::Stat::ZERO; c]);
-        p.backward(
-            GradInputs { y_backprop: dy, x },
-            &scale,
-            mode,
-            GradEpilogue {
-                relu_output: self.relu.then_some(y),
-                side_input_backprop: dside.as_deref_mut(),
-            },
-            Gradients {
-                x: &mut dx,
-                scale: &mut dscale,
-                offset: &mut doffset,
-            },
-        )
-        .map_err(err)?;
-        Ok((dx, dside, to_f64(&dscale), to_f64(&doffset)))
-    }
 }
 
 /// A read guard on a CPU tensor's storage and the range of its contiguous elements.
-struct CpuView<'a> {
+pub(crate) struct CpuView<'a> {
     guard: StorageRef<'a>,
     range: (usize, usize),
 }
 
 impl CpuView<'_> {
-    fn of<'a>(t: &'a Tensor, what: &str) -> Result<CpuView<'a>> {
+    pub(crate) fn of<'a>(t: &'a Tensor, what: &str) -> Result<CpuView<'a>> {
         let (guard, layout) = t.storage_and_layout();
         let Some(range) = layout.contiguous_offsets() else {
             bail!("fusedbn: {what} must be contiguous")
@@ -238,7 +203,7 @@ impl CpuView<'_> {
         Ok(CpuView { guard, range })
     }
 
-    fn slice<T: WithDType>(&self) -> Result<&[T]> {
+    pub(crate) fn slice<T: WithDType>(&self) -> Result<&[T]> {
         match &*self.guard {
             Storage::Cpu(s) => Ok(&s.as_slice::<T>()?[self.range.0..self.range.1]),
             _ => bail!("fusedbn: the fused batch norm runs on the CPU only"),
@@ -312,63 +277,52 @@ impl CustomOp3 for FusedBatchNorm {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let c = self.problem.channels();
-        let scale = if self.side_input {
-            values(&arg3.narrow(0, 0, c)?)?
-        } else {
-            values(arg2)?
-        };
         // The upstream gradient may come strided (a permuted or broadcast view).
         let dy = dy.contiguous()?;
-        let (xv, yv, dyv) = (
-            CpuView::of(x, "x")?,
-            CpuView::of(y, "y")?,
-            CpuView::of(&dy, "the upstream gradient")?,
-        );
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dside, dscale, doffset) = self.backward::<$t>(
-                    [xv.slice::<$t>()?, yv.slice::<$t>()?, dyv.slice::<$t>()?],
-                    &scale,
-                )?;
-                let dev = x.device();
-                let dx = Tensor::from_vec(dx, x.shape(), dev)?;
-                let dside = dside
-                    .map(|v| Tensor::from_vec(v, x.shape(), dev))
-                    .transpose()?;
-                (
-                    dx,
-                    dside,
-                    Tensor::from_vec(dscale, c, dev)?,
-                    Tensor::from_vec(doffset, c, dev)?,
-                )
-            }};
-        }
-        let (dx, dside, dscale, doffset) = match x.dtype() {
-            DType::F32 => run!(f32),
-            DType::F64 => run!(f64),
-            DType::F16 => run!(half::f16),
-            DType::BF16 => run!(half::bf16),
-            other => bail!("fusedbn: batch norm needs f32, f64, f16 or bf16 data, found {other:?}"),
+        let scale = if self.side_input {
+            arg3.narrow(0, 0, c)?
+        } else {
+            arg2.clone()
         };
-        drop((xv, yv, dyv));
+        let shared = Arc::new(GradShared {
+            problem: self.problem.clone(),
+            training: matches!(self.mode, Mode::Training(_)),
+            stats: self.stats()?.clone(),
+            relu_y: self.relu.then(|| y.detach()),
+            // With no ReLU the side input's gradient is dy itself (below).
+            side_output: self.side_input && self.relu,
+            extras: Mutex::new(Extras::default()),
+        });
+        // dx first: its forward runs the fused backward and leaves the other results
+        // for the two ops after it.
+        let dx = x.apply_op3(&scale, &dy, BatchNormGrad(shared.clone()))?;
+        let dparams = x.apply_op3(&scale, &dy, GradParams(shared.clone()))?;
         // Only what candle will use: it adds each returned gradient into a zero-filled
         // accumulator, so a gradient for an untracked argument would cost a full pass.
         let dx = x.track_op().then_some(dx);
         if self.side_input {
-            let dparams = Tensor::cat(&[dscale, doffset], 0)?.to_dtype(arg3.dtype())?;
+            let dside = if self.relu {
+                arg2.track_op()
+                    .then(|| dy.apply_op1(SideGrad(shared)))
+                    .transpose()?
+            } else {
+                arg2.track_op().then_some(dy)
+            };
             Ok((
                 dx,
-                dside.filter(|_| arg2.track_op()),
-                arg3.track_op().then_some(dparams),
+                dside,
+                arg3.track_op()
+                    .then(|| dparams.to_dtype(arg3.dtype()))
+                    .transpose()?,
             ))
         } else {
             Ok((
                 dx,
                 arg2.track_op()
-                    .then(|| dscale.to_dtype(arg2.dtype()))
+                    .then(|| dparams.narrow(0, 0, c)?.to_dtype(arg2.dtype()))
                     .transpose()?,
                 arg3.track_op()
-                    .then(|| doffset.to_dtype(arg3.dtype()))
+                    .then(|| dparams.narrow(0, c, c)?.to_dtype(arg3.dtype()))
                     .transpose()?,
             ))
         }
