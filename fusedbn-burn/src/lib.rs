@@ -23,10 +23,14 @@
 //! result is then exactly burn's. [`is_fused`] says which path a tensor takes.
 //!
 //! Not supported: second-order gradients (the gradient of the gradient), since the
-//! backward is one kernel call and is not itself differentiable: a double backward
-//! (`Autodiff<Autodiff<Flex>>`) panics with a message saying so, burn's backward
-//! having no way to return an error; and the fused side input + ReLU epilogue of
-//! fusedbn's Ex ops, which burn's batch norm has no place for.
+//! backward is one kernel call and is not itself differentiable: on the backend type
+//! `Autodiff<Autodiff<Flex>>` the outer backward panics with a message saying so,
+//! burn's backward having no way to return an error. burn's own batch norm does the
+//! same there (burn-autodiff 0.22.1: "Can't differentiate batch norm train backward"),
+//! and burn's `Tensor` API cannot nest autodiff at all (`Device::autodiff` gives first
+//! order only), so only code written on the backend types reaches it. Also not
+//! supported: the fused side input + ReLU epilogue of fusedbn's Ex ops, which burn's
+//! batch norm has no place for.
 //!
 //! ```
 //! use burn::tensor::{Device, Tensor};

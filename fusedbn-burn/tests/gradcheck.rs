@@ -89,3 +89,27 @@ fn a_constant_output_gradient_gives_no_input_gradient() {
     let dx = to_f64(x.grad(&grads).unwrap());
     assert!(dx.iter().all(|g| g.abs() < 1e-6), "{dx:?}");
 }
+
+/// A double backward through the op panics with the message the crate documents, as
+/// burn's own batch norm does: on the backend type `Autodiff<Autodiff<Flex>>`, the only
+/// way to one in burn 0.22 (its `Tensor` API does not nest autodiff).
+#[test]
+#[should_panic(expected = "the batch-norm gradient is not differentiable")]
+fn a_double_backward_panics_with_the_documented_message() {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::{Autodiff, AutodiffBackend, Flex, FlexDevice, TensorData};
+    use fusedbn_burn::FusedBatchNormBackend;
+    type B2 = Autodiff<Autodiff<Flex>>;
+    let leaf = |v: Vec<f32>, shape: Vec<usize>| {
+        let t = B2::float_from_data(TensorData::new(v, shape), &FlexDevice);
+        B2::float_set_require_grad(t, true)
+    };
+    let x = leaf(
+        (0..24).map(|i| (i % 7) as f32 * 0.3).collect(),
+        vec![2, 3, 4],
+    );
+    let (gamma, beta) = (leaf(vec![1.0; 3], vec![3]), leaf(vec![0.0; 3], vec![3]));
+    let (y, _, _) = B2::fusedbn_train(x, gamma, beta, 1e-5);
+    let loss = B2::float_sum(B2::float_mul(y.clone(), y));
+    let _ = <B2 as AutodiffBackend>::backward(loss);
+}
