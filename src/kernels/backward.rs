@@ -713,24 +713,34 @@ fn sums_out_body<
     // `scripts/ab.sh 7`, NCHW 64x256x56x56 / 64x64x112x112 backward inference, time ÷
     // copy, bf16 1.100 / 0.902 -> 1.092 / 0.896, f16 1.044 / 0.887 -> 1.038 / 0.827.
     let total = w.vectors();
+    // The walk's lanes checked once: every pair below lies in its `total` vectors. (With
+    // the checked loads and stores, an assertion a pair was in the loop: perf annotate,
+    // NCHW backward inference, f32 and bf16, both ISAs.)
+    assert!(w.reads.lanes_of(s));
     if P::STEPS {
         // Four vectors a step, for the pace's work beside them ([`Pace::step`]).
         let mut z = pace.zip_take();
         for i in 0..total / 4 {
-            sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i, m, k1, (&mut a, &mut b));
-            sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i + 2, m, k1, (&mut a, &mut b));
+            // SAFETY: `4·i + 3 < total`, the lanes checked above.
+            unsafe {
+                sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i, m, k1, (&mut a, &mut b));
+                sums_out_two::<U, S, T, N, STREAM>(s, w, 4 * i + 2, m, k1, (&mut a, &mut b));
+            }
             pace.step(s, &mut z);
         }
         pace.zip_put(z);
         if total % 4 >= 2 {
-            sums_out_two::<U, S, T, N, STREAM>(s, w, total / 4 * 4, m, k1, (&mut a, &mut b));
+            let j = total / 4 * 4;
+            // SAFETY: `j + 1 < total`, the lanes checked above.
+            unsafe { sums_out_two::<U, S, T, N, STREAM>(s, w, j, m, k1, (&mut a, &mut b)) };
         }
     } else {
         // Two a step where nothing rides in the loop: the loop of four had made NCHW
         // 16x2048x7x7 f32 backward inference (rows of six vectors) 0.41 -> 0.60 ms with
         // AVX2 (Zen 4, `scripts/ab.sh 9`).
         for i in 0..total / 2 {
-            sums_out_two::<U, S, T, N, STREAM>(s, w, 2 * i, m, k1, (&mut a, &mut b));
+            // SAFETY: `2·i + 1 < total`, the lanes checked above.
+            unsafe { sums_out_two::<U, S, T, N, STREAM>(s, w, 2 * i, m, k1, (&mut a, &mut b)) };
         }
     }
     if total % 2 == 1 {
@@ -744,8 +754,11 @@ fn sums_out_body<
 /// Vectors `j` and `j + 1` of [`sums_out_body`], folded in order into `(a, b)`, their
 /// `dx` stored together. (A function, not a closure: a closure is compiled without the
 /// kernel's target features, and its intrinsics were calls.)
+///
+/// # Safety
+/// `j + 1 < w.vectors()` and `w.reads.lanes_of(s)`.
 #[inline(always)]
-fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
+unsafe fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
     s: S,
     w: &mut Walk<'_, T, N>,
     j: usize,
@@ -764,9 +777,18 @@ fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
         let ahead = STREAM_AHEAD_BYTES / std::mem::size_of::<T>();
         w.reads.prefetch_ahead(s, j, ahead, 2 * S::LANES);
     }
-    let d = fold(s, &w.load(s, j), m, a, b);
-    let e = fold(s, &w.load(s, j + 1), m, a, b);
-    w.store2::<S, STREAM>(s, j, s.mul(d, k1), s.mul(e, k1));
+    // SAFETY: vectors `j` and `j + 1` exist and the lanes are `S`'s (the caller's
+    // guarantee).
+    let (u, v) = unsafe {
+        (
+            w.reads.load_unchecked(s, j),
+            w.reads.load_unchecked(s, j + 1),
+        )
+    };
+    let d = fold(s, &u, m, a, b);
+    let e = fold(s, &v, m, a, b);
+    // SAFETY: as above.
+    unsafe { w.store2_unchecked::<S, STREAM>(s, j, s.mul(d, k1), s.mul(e, k1)) };
 }
 
 /// Backward sums over whole pixels, by tiles flushed to `f64`; with `dx`, also writes
@@ -1072,12 +1094,70 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
     // `0..m` within the constants and the sums (asserted above); with `STREAM` the
     // output is vector-aligned (the caller's test), which the streamed stores need.
     unsafe {
-        for i in 0..m / 2 {
-            let g = 2 * i;
-            let at = g * l;
-            if let Some(ahead) = ahead {
-                prefetch_each(s, &ins, at + ahead, 2 * l);
+        // The hint's presence as a constant of the loop: tested inside it, it stayed a
+        // load from the stack and a branch a pair (perf annotate, NHWC backward
+        // inference, f32 and bf16, both ISAs).
+        match ahead {
+            Some(ahead) => {
+                period_pairs::<U, S, T, N, STREAM, true>(s, ins, out, [mp, kp], a, b, m, ahead)
             }
+            None => period_pairs::<U, S, T, N, STREAM, false>(s, ins, out, [mp, kp], a, b, m, 0),
+        }
+        if m % 2 == 1 {
+            let (g, at) = (m - 1, (m - 1) * l);
+            let (mv, kv) = (s.load_ptr(mp.add(at)), s.load_ptr(kp.add(at)));
+            let d = fold(
+                s,
+                &vectors_at(s, &ins, at),
+                mv,
+                &mut *a.add(g),
+                &mut *b.add(g),
+            );
+            let (d, o) = (s.mul(d, kv), out.add(at));
+            if STREAM {
+                s.stream_ptr(o, d);
+            } else {
+                s.store_ptr(o, d);
+            }
+        }
+    }
+}
+
+/// The pairs of [`period_out`]: vectors `0..m / 2 * 2` from the inputs `ins`, the
+/// output `out` and the constants `[mean, k1]`, into the sums `a`, `b`; with `PF`, each
+/// input prefetched `ahead` elements on.
+///
+/// # Safety
+/// As in [`period_out`]: `m` vectors from each pointer are valid (and `out` is
+/// vector-aligned with `STREAM`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn period_pairs<
+    U: Real,
+    S: Simd<U>,
+    T: Element<Stat = U>,
+    const N: usize,
+    const STREAM: bool,
+    const PF: bool,
+>(
+    s: S,
+    ins: [*const T; N],
+    out: *mut T,
+    [mp, kp]: [*const U; 2],
+    a: *mut S::V,
+    b: *mut S::V,
+    m: usize,
+    ahead: usize,
+) {
+    let l = S::LANES;
+    for i in 0..m / 2 {
+        let g = 2 * i;
+        let at = g * l;
+        if PF {
+            prefetch_each(s, &ins, at + ahead, 2 * l);
+        }
+        // SAFETY: `g + 1 < m` (the caller's guarantee covers vectors `0..m`).
+        unsafe {
             let (mv, mw) = (s.load_ptr(mp.add(at)), s.load_ptr(mp.add(at + l)));
             let (kv, kw) = (s.load_ptr(kp.add(at)), s.load_ptr(kp.add(at + l)));
             let d = fold(
@@ -1099,23 +1179,6 @@ fn period_out<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const S
                 s.stream2_ptr(o, d, e);
             } else {
                 s.store2_ptr(o, d, e);
-            }
-        }
-        if m % 2 == 1 {
-            let (g, at) = (m - 1, (m - 1) * l);
-            let (mv, kv) = (s.load_ptr(mp.add(at)), s.load_ptr(kp.add(at)));
-            let d = fold(
-                s,
-                &vectors_at(s, &ins, at),
-                mv,
-                &mut *a.add(g),
-                &mut *b.add(g),
-            );
-            let (d, o) = (s.mul(d, kv), out.add(at));
-            if STREAM {
-                s.stream_ptr(o, d);
-            } else {
-                s.store_ptr(o, d);
             }
         }
     }
@@ -1309,7 +1372,11 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         // Four whole pixels from `p0` (checked: the slice panics past the end).
         *p = i[start..start + 4 * c].as_ptr();
     }
-    for g in 0..whole {
+    // The accumulators through iterators: indexed, `a[g]` kept a bounds check a vector
+    // in the machine code despite the assertion above (perf annotate, NHWC backward
+    // training in cache, f32, bf16 and f16, both ISAs).
+    let pairs = a[..whole].iter_mut().zip(&mut b[..whole]);
+    for (g, (ag, bg)) in pairs.enumerate() {
         if PF {
             // The four pixels are contiguous in each input: the lines of four vectors'
             // worth from the first pixel, in memory order.
@@ -1337,8 +1404,8 @@ fn sums_quad<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const PF
         let sb = s.mul_add(d1, s.sub(v1[1], m), sb);
         let sb = s.mul_add(d2, s.sub(v2[1], m), sb);
         let sb = s.mul_add(d3, s.sub(v3[1], m), sb);
-        a[g] = s.add(a[g], s.add(s.add(d0, d1), s.add(d2, d3)));
-        b[g] = s.add(b[g], sb);
+        *ag = s.add(*ag, s.add(s.add(d0, d1), s.add(d2, d3)));
+        *bg = s.add(*bg, sb);
     }
     let (at, n) = (whole * l, c - whole * l);
     if n > 0 {

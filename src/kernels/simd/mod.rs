@@ -802,30 +802,21 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         }
     }
 
-    /// Writes vectors `j` and `j + 1` of the output (see [`Simd::store2_ptr`]).
+    /// Writes vectors `j` and `j + 1` of the output (see [`Simd::store2_ptr`]), for hot
+    /// loops that prove their range once.
+    ///
+    /// # Safety
+    /// `j + 1 < self.vectors()` and `self.reads.lanes_of(s)`.
     #[inline(always)]
-    pub fn store2<S: Simd<T::Stat>, const STREAM: bool>(
+    pub unsafe fn store2_unchecked<S: Simd<T::Stat>, const STREAM: bool>(
         &mut self,
         s: S,
         j: usize,
         a: S::V,
         b: S::V,
     ) {
-        self.store_two::<S, STREAM, false>(s, j, a, b)
-    }
-
-    /// [`Walk::store2`] (memory order) or, with `PAIR`, [`Walk::store_pair_unchecked`].
-    #[inline(always)]
-    fn store_two<S: Simd<T::Stat>, const STREAM: bool, const PAIR: bool>(
-        &mut self,
-        s: S,
-        j: usize,
-        a: S::V,
-        b: S::V,
-    ) {
-        assert!(j + 1 < self.reads.vectors && S::LANES == self.reads.lanes);
-        // SAFETY: checked just above.
-        unsafe { self.store_two_unchecked::<S, STREAM, PAIR>(s, j, a, b) }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.store_two_unchecked::<S, STREAM, false>(s, j, a, b) }
     }
 
     /// Writes vectors `j` and `j + 1` of the output from a pair in the order of
@@ -877,7 +868,9 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
         }
     }
 
-    /// [`Walk::store_two`] without its check.
+    /// Writes vectors `j` and `j + 1` of the output: in memory order ([`Simd::store2_ptr`]), or
+    /// with `PAIR` a pair in the order of [`Simd::pair_even_odd`]; non-temporal when
+    /// `STREAM` (which needs [`Walk::aligned`]).
     ///
     /// # Safety
     /// `j + 1 < self.vectors()` and `self.reads.lanes_of(s)`.
