@@ -22,17 +22,18 @@ const SHAPES: [[usize; 4]; 3] = [[2, 3, 5, 12], [1, 5, 3, 8], [1, 1, 1, 3]];
 
 #[test]
 fn every_op_matches_the_reference_on_small_shapes() {
-    // Under Miri a case takes seconds: f32 and bf16 there, every dtype without it.
-    let dtypes: &[DType] = if cfg!(miri) {
-        &[DType::F32, DType::BF16]
+    // Under Miri a case takes seconds to minutes: f32 and bf16 on the first shape there,
+    // every dtype and shape without it.
+    let (dtypes, shapes): (&[DType], &[[usize; 4]]) = if cfg!(miri) {
+        (&[DType::F32, DType::BF16], &SHAPES[..1])
     } else {
-        &[DType::F32, DType::BF16, DType::F16, DType::F64]
+        (&[DType::F32, DType::BF16, DType::F16, DType::F64], &SHAPES)
     };
     let mut ran = 0;
     for op in Op::ALL {
         for format in [DataFormat::Nhwc, DataFormat::Nchw] {
             for dtype in dtypes.iter().filter(|d| op.dtypes().contains(d)) {
-                for shape in SHAPES {
+                for &shape in shapes {
                     for training in [true, false] {
                         let mut case = Case::new(op, format, &shape, *dtype)
                             .unwrap_or_else(|e| panic!("{op:?} {format:?} {shape:?}: {e}"))
@@ -57,5 +58,7 @@ fn every_op_matches_the_reference_on_small_shapes() {
             }
         }
     }
-    assert!(ran >= 100, "only {ran} cases ran");
+    let least = if cfg!(miri) { 60 } else { 200 };
+    assert!(ran >= least, "only {ran} cases ran");
+    eprintln!("{ran} cases");
 }
