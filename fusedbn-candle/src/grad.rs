@@ -5,13 +5,17 @@
 //!
 //! The backward of [`crate::op::FusedBatchNorm`] is one kernel call with up to four
 //! results (dx, the side input's gradient, dscale, doffset), but a candle op has one
-//! output. So its `bwd` applies up to three ops to the same arguments `(x, scale, dy)`:
-//! [`BatchNormGrad`] (output dx) runs the fused backward and leaves the other results
-//! in the state the three share, where [`GradParams`] (output `cat[dscale, doffset]`,
-//! f64) and [`SideGrad`] (the side input's gradient behind a ReLU) take them: the
-//! first-order backward is still one kernel call. The `bwd` of each is the second-order
-//! kernel given that output's upstream gradient and zeros for the others; the kernel is
-//! linear in them, and candle adds the parts.
+//! output. So its `bwd` applies up to three ops: [`BatchNormGrad`] (output dx) and
+//! [`GradParams`] (output `cat[dscale, doffset]`, f64) to the same arguments `(x,
+//! scale, dy)`, and, behind a ReLU, [`SideGrad`] (the side input's gradient) to dy. The
+//! first runs the fused backward and leaves the other results in the state the three
+//! share, where the others take them: the first-order backward is still one kernel
+//! call. The `bwd` of the first two is the second-order kernel given that output's
+//! upstream gradient and zeros for the other's (the kernel is linear in them, and
+//! candle adds the parts); that of [`SideGrad`] is the ReLU's mask.
+//!
+//! The gradient graph keeps `x`, `dy` and (behind a ReLU) `y` alive until the gradients
+//! are dropped, as candle-nn's backward keeps its operands.
 //!
 //! Candle detaches the gradient between nodes unless `CANDLE_GRAD_DO_NOT_DETACH` is set
 //! (candle-core's `backprop.rs`), so a second backward through anything but a leaf

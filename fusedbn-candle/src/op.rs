@@ -289,8 +289,9 @@ impl CustomOp3 for FusedBatchNorm {
             training: matches!(self.mode, Mode::Training(_)),
             stats: self.stats()?.clone(),
             relu_y: self.relu.then(|| y.detach()),
-            // With no ReLU the side input's gradient is dy itself (below).
-            side_output: self.side_input && self.relu,
+            // With no ReLU the side input's gradient is dy itself (below); none is written
+            // for a side input that takes no gradient.
+            side_output: self.side_input && self.relu && arg2.track_op(),
             extras: Mutex::new(Extras::default()),
         });
         // dx first: its forward runs the fused backward and leaves the other results

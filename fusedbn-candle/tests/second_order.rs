@@ -209,6 +209,8 @@ fn cases() -> Vec<Case<'static>> {
     let mut v = vec![];
     for (shape, channels_last) in [
         (&[16usize, 5][..], false),
+        (&[4, 5, 6][..], false),
+        (&[4, 5, 6][..], true),
         (&[3, 5, 6, 7][..], false),
         (&[3, 5, 6, 7][..], true),
         (&[2, 19, 9, 4][..], true),

@@ -756,7 +756,7 @@ fn sums_out_body<
 /// kernel's target features, and its intrinsics were calls.)
 ///
 /// # Safety
-/// `j + 1 < w.vectors()` and `w.reads.lanes_of(s)`.
+/// `j + 1 < w.vectors()` and `w.reads.lanes_of(s)`; with `STREAM`, `w.aligned()`.
 #[inline(always)]
 unsafe fn sums_out_two<U, S, T, const N: usize, const STREAM: bool>(
     s: S,

@@ -803,10 +803,11 @@ impl<'a, T: Element, const N: usize> Walk<'a, T, N> {
     }
 
     /// Writes vectors `j` and `j + 1` of the output (see [`Simd::store2_ptr`]), for hot
-    /// loops that prove their range once.
+    /// loops that prove their range once; non-temporal when `STREAM`.
     ///
     /// # Safety
-    /// `j + 1 < self.vectors()` and `self.reads.lanes_of(s)`.
+    /// `j + 1 < self.vectors()` and `self.reads.lanes_of(s)`; with `STREAM`, the output
+    /// is [`Walk::aligned`].
     #[inline(always)]
     pub unsafe fn store2_unchecked<S: Simd<T::Stat>, const STREAM: bool>(
         &mut self,
