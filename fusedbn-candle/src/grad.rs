@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
+    bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
 };
 use fusedbn::batch_norm::{
     Backward, GradEpilogue, GradInputs, Gradients, Mode, SecondOrderGradients, SecondOrderInputs,
@@ -35,7 +35,7 @@ use fusedbn::batch_norm::{
 };
 use fusedbn::{Element, Problem, Real};
 
-use crate::op::{contiguous, err, per_channel, to_f64, to_stat, values, CpuView, Stats};
+use crate::op::{by_dtype, contiguous, err, per_channel, to_f64, to_stat, values, CpuView, Stats};
 
 /// What the fused backward computed besides dx, until the op that returns it runs.
 #[derive(Debug, Default)]
@@ -249,13 +249,7 @@ impl GradShared {
                 )
             }};
         }
-        let (dx, dscale, ddy) = match x.dtype() {
-            DType::F32 => run!(f32),
-            DType::F64 => run!(f64),
-            DType::F16 => run!(half::f16),
-            DType::BF16 => run!(half::bf16),
-            other => bail!("fusedbn: batch norm needs f32, f64, f16 or bf16 data, found {other:?}"),
-        };
+        let (dx, dscale, ddy) = by_dtype!(x.dtype(), run);
         Ok((
             x.track_op().then_some(dx),
             scale.track_op().then_some(dscale),
@@ -300,16 +294,7 @@ impl CustomOp3 for BatchNormGrad {
                 <$t>::to_cpu_storage_owned(self.0.first_order::<$t>(x, dy, &scale)?)
             }};
         }
-        let dx = match s1 {
-            CpuStorage::F32(_) => run!(f32),
-            CpuStorage::F64(_) => run!(f64),
-            CpuStorage::F16(_) => run!(half::f16),
-            CpuStorage::BF16(_) => run!(half::bf16),
-            other => bail!(
-                "fusedbn: batch norm needs f32, f64, f16 or bf16 data, found {:?}",
-                other.dtype()
-            ),
-        };
+        let dx = by_dtype!(s1.dtype(), run);
         Ok((dx, l1.shape().clone()))
     }
 

@@ -68,6 +68,24 @@ pub(crate) struct FusedBatchNorm {
     pub relu: bool,
 }
 
+/// `$run!(T)` for the element type `T` of the candle dtype `$dtype` (f32, f64, f16,
+/// bf16), an error for any other: the one dispatch of the forward op and of the
+/// gradient's ops.
+macro_rules! by_dtype {
+    ($dtype:expr, $run:ident) => {
+        match $dtype {
+            candle_core::DType::F32 => $run!(f32),
+            candle_core::DType::F64 => $run!(f64),
+            candle_core::DType::F16 => $run!(half::f16),
+            candle_core::DType::BF16 => $run!(half::bf16),
+            other => candle_core::bail!(
+                "fusedbn: batch norm needs f32, f64, f16 or bf16 data, found {other:?}"
+            ),
+        }
+    };
+}
+pub(crate) use by_dtype;
+
 pub(crate) fn err(e: fusedbn::Error) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
@@ -245,26 +263,17 @@ impl CustomOp3 for FusedBatchNorm {
             (per_channel(s2, l2, 0, c)?, per_channel(s3, l3, 0, c)?)
         };
         macro_rules! run {
-            ($variant:ident, $t:ty) => {{
+            ($t:ty) => {{
                 let x = contiguous::<$t>(s1, l1, "x")?;
                 let side = if self.side_input {
                     Some(contiguous::<$t>(s2, l2, "side_input")?)
                 } else {
                     None
                 };
-                CpuStorage::$variant(self.forward::<$t>(x, side, &scale, &offset)?)
+                <$t>::to_cpu_storage_owned(self.forward::<$t>(x, side, &scale, &offset)?)
             }};
         }
-        let y = match s1 {
-            CpuStorage::F32(_) => run!(F32, f32),
-            CpuStorage::F64(_) => run!(F64, f64),
-            CpuStorage::F16(_) => run!(F16, half::f16),
-            CpuStorage::BF16(_) => run!(BF16, half::bf16),
-            other => bail!(
-                "fusedbn: batch norm needs f32, f64, f16 or bf16 data, found {:?}",
-                other.dtype()
-            ),
-        };
+        let y = by_dtype!(s1.dtype(), run);
         Ok((y, Shape::from_dims(p.shape())))
     }
 
