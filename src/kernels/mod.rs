@@ -399,12 +399,19 @@ impl Geometry {
         self.len() * size >= STREAM_BYTES && self.streamable_rows(size)
     }
 
-    /// Pixels per channels-last elementwise task: a multiple of 16, so every task
-    /// starts at the same alignment and phase of the periodic pattern as the first;
-    /// at most about [`TASK`] elements, in [`balanced`] tasks.
+    /// Pixels per channels-last elementwise task: a multiple of `32 / gcd(C, 32)`
+    /// pixels (a multiple of 32 elements: 64 bytes of 16-bit data, whole vectors of
+    /// every ISA), so every task starts at the same alignment and lane phase as the
+    /// first; at most about [`TASK`] elements, in [`balanced`] tasks.
+    ///
+    /// The unit had been 16 pixels whatever C, which undid the balance where a pixel
+    /// is long: 16x7x7x2048 (784 pixels) was cut 7 × 112 where [`balanced`] asked 8 × 98,
+    /// one thread taking four tasks and the other three.
     fn pixels_per_task(&self) -> usize {
-        let most = ((TASK / self.channels.max(1)) / 16).max(1) * 16;
-        balanced(self.outer, most, self.parallel()).next_multiple_of(16)
+        let c = self.channels.max(1);
+        let unit = apply::lcm(c, 32) / c;
+        let most = ((TASK / c) / unit).max(1) * unit;
+        balanced(self.outer, most, self.parallel()).next_multiple_of(unit)
     }
 
     /// Whole rows ([`Geometry::row_len`]) per task of an elementwise pass: pixels in
