@@ -1113,8 +1113,16 @@ fn merge_tasks(total: &mut [Moments], rest: &[Vec<Moments>], parallel: bool) {
 const MERGE_BLOCK: usize = 128;
 /// The fewest merges (tasks after the first × channels) [`merge_tasks`] shares with the
 /// pool: below it a parallel region cost more than it saved (NHWC 16x14x14x256 bf16
-/// `moments` in cache, 3 × 256 merges: 54 -> 64 us with it).
-const MERGE_PARALLEL: usize = 1 << 15;
+/// `moments` in cache, 3 × 256 merges: 54 -> 64 us with it). It was `1 << 15`, which
+/// kept the merges of every in-cache ResNet-50 shape with C ≥ 512 (12,288 each: 6 ×
+/// 2048, 12 × 1024, 24 × 512) on one thread while the other waited (perf, NHWC
+/// 16x7x7x2048 f32 forward training, two threads: the merge 2.6 % of the samples,
+/// all on one thread). At `1 << 13` (Zen 4, `scripts/ab.sh 7`, NHWC forward training,
+/// f32 and bf16, both ISAs, time ÷ copy) all 12 cells of those three shapes were
+/// lower: 16x7x7x2048 bf16 AVX-512 6.95 -> 5.74, f32 3.95 -> 3.44; 16x14x14x1024
+/// 2.29–5.24 from 2.46–5.55; 16x28x28x512 by 0.03–0.06. 16x56x56x256 (48 × 256, now
+/// shared too) and 32x28x28x512 moved within ±0.03.
+const MERGE_PARALLEL: usize = 1 << 13;
 
 #[cfg(test)]
 mod tests {
