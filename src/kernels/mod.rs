@@ -1061,6 +1061,41 @@ mod tests {
         }
     }
 
+    /// A channels-last elementwise task is a whole number of 32-element units (64
+    /// bytes of 16-bit data, whole vectors of every ISA, the lane phase of the first
+    /// task) of at most about `TASK` elements, and a tensor of long pixels keeps
+    /// [`balanced`]'s even split: 16x7x7x2048 is 8 × 98 pixels on two threads, where
+    /// a unit of 16 pixels made it 7 × 112.
+    #[test]
+    fn channels_last_tasks_are_whole_units_and_balanced() {
+        for threads in [1, 2, 3, 4] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a thread pool");
+            pool.install(|| {
+                for c in [2, 3, 5, 24, 40, 64, 100, 512, 1000, 2048, 4099] {
+                    for outer in [1, 7, 784, 3136, 100_003] {
+                        let g = Geometry::new(outer, c, 1);
+                        let per = g.rows_per_task();
+                        let what = format!("{threads} threads, {outer} x {c}: {per}");
+                        assert!((per * c).is_multiple_of(32), "{what}");
+                        let unit = apply::lcm(c, 32) / c;
+                        assert!(per * c <= TASK.max(unit * c) + unit * c, "{what}");
+                        if g.parallel() && outer >= threads * unit {
+                            // Every thread has a task.
+                            assert!(outer.div_ceil(per) >= threads, "{what}");
+                        }
+                    }
+                }
+                let g = Geometry::new(16 * 7 * 7, 2048, 1);
+                if threads == 2 {
+                    assert_eq!(g.rows_per_task(), 98);
+                }
+            });
+        }
+    }
+
     /// The tiles of a channel's rows cover each of its elements once, in memory order:
     /// runs of whole rows of at most `TILE` elements, or equal pieces of a longer row.
     #[test]
