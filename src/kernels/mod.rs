@@ -399,7 +399,7 @@ impl Geometry {
         self.len() * size >= STREAM_BYTES && self.streamable_rows(size)
     }
 
-    /// Pixels per channels-last elementwise task: a multiple of `32 / gcd(C, 32)`
+    /// Pixels per channels-last elementwise task: a multiple of `lcm(C, 32) / C`
     /// pixels (a multiple of 32 elements: 64 bytes of 16-bit data, whole vectors of
     /// every ISA), so every task starts at the same alignment and lane phase as the
     /// first; at most about [`TASK`] elements, in [`balanced`] tasks.
@@ -415,8 +415,8 @@ impl Geometry {
     }
 
     /// Whole rows ([`Geometry::row_len`]) per task of an elementwise pass: pixels in
-    /// multiples of 16 channels-last, [`balanced`] rows of about [`TASK`] elements
-    /// channel-major.
+    /// whole units of 32 elements channels-last ([`Geometry::pixels_per_task`]),
+    /// [`balanced`] rows of about [`TASK`] elements channel-major.
     pub(crate) fn rows_per_task(&self) -> usize {
         if self.channels_last() {
             self.pixels_per_task()
