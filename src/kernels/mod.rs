@@ -802,8 +802,9 @@ pub(crate) fn short_period(c: usize, l: usize) -> Option<usize> {
 }
 
 /// The fixed split of a channels-last reduction (statistics, gradient sums, second-order
-/// sums) into tasks of whole tiles of whole pixels: the one place that says which
-/// elements a task covers.
+/// sums) into tasks of whole pixels: the one place that says which elements a task
+/// covers. A task is read in tiles of [`pixels_per_tile`] from its start (its last tile
+/// may be shorter).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PixelSplit {
     pixels_per_task: usize,
@@ -812,11 +813,30 @@ pub(crate) struct PixelSplit {
 }
 
 impl PixelSplit {
-    /// The split of a channels-last tensor of geometry `g`.
+    /// The split of a channels-last tensor of geometry `g`: as few tasks of at most
+    /// about [`pixels_per_reduce_task`] pixels as there can be, their number made even
+    /// (where it is over one; rounding their size up to the unit may then take one
+    /// away where there are many), of equal size in whole units of `lcm(C, 32) / C` pixels
+    /// (each task starts where the first does within a vector and a 64-byte line; the
+    /// last task may be shorter). From the shape alone, so the bits do not depend on
+    /// the thread count.
+    ///
+    /// Tasks had been whole numbers of tiles, the last one what was left: 16x14x14x256
+    /// was 1024 + 1024 + 1024 + 64 pixels and 16x7x7x512 512 + 272, and on two threads
+    /// one thread read nearly twice the pixels of the other (2048 against 1088); now
+    /// 4 × 784 and 2 × 392. An even count, as [`ChannelMajorSplit::new`]'s chunks, so
+    /// that two threads (this project's machines) share the tasks evenly.
     pub fn reduce(g: &Geometry) -> Self {
+        let (pixels, c) = (g.outer, g.channels.max(1));
+        let most = pixels_per_reduce_task(c);
+        let mut tasks = pixels.div_ceil(most).max(1);
+        if tasks > 1 && tasks % 2 == 1 {
+            tasks += 1;
+        }
+        let unit = apply::lcm(c, 32) / c;
         PixelSplit {
-            pixels_per_task: pixels_per_reduce_task(g.channels),
-            pixels: g.outer,
+            pixels_per_task: pixels.div_ceil(tasks).max(1).next_multiple_of(unit),
+            pixels,
             channels: g.channels,
         }
     }
@@ -848,7 +868,8 @@ impl PixelSplit {
     }
 }
 
-/// Pixels per task in a channels-last reduction: a whole number of tiles.
+/// Most pixels a task of a channels-last reduction is cut for ([`PixelSplit::reduce`]):
+/// a whole number of tiles of about [`TASK`] elements.
 pub(crate) fn pixels_per_reduce_task(c: usize) -> usize {
     let ppt = pixels_per_tile(c);
     ((TASK / c.max(1)) / ppt).max(1) * ppt
@@ -1093,6 +1114,56 @@ mod tests {
                     assert_eq!(g.rows_per_task(), 98);
                 }
             });
+        }
+    }
+
+    /// A channels-last reduction's tasks cover every pixel once, in order, an even
+    /// number of them (where there are several) of equal size in whole 32-element
+    /// units, each within about `pixels_per_reduce_task`; and the shapes that wanted it
+    /// split evenly: 16x14x14x256 as 4 × 784 pixels (was 3 × 1024 + 64), 16x7x7x512 as
+    /// 2 × 392 (was 512 + 272).
+    #[test]
+    fn reduction_tasks_are_even_equal_and_cover_the_pixels() {
+        for c in [1, 2, 3, 5, 24, 40, 64, 100, 256, 512, 1000, 2048, 4099] {
+            for pixels in [0, 1, 7, 64, 784, 3136, 12_544, 100_003] {
+                let g = Geometry::new(pixels, c, 1);
+                if !g.channels_last() {
+                    // C = 1 is one channel-major run, which this split never sees.
+                    continue;
+                }
+                let split = PixelSplit::reduce(&g);
+                let what = format!("{pixels} x {c}: {split:?}");
+                let n = split.len();
+                let unit = apply::lcm(c, 32) / c;
+                let most = pixels_per_reduce_task(c);
+                // At most the even number asked (where over one): equal sizes rounded
+                // up can make fewer (100,003 pixels of 1000 channels: 392 asked, 391 of
+                // 256 pixels; 784 of 4099 channels: 14 asked, 13 of a 32-pixel unit).
+                let fewest = pixels.div_ceil(most).max(1);
+                let asked = fewest + usize::from(fewest > 1 && fewest % 2 == 1);
+                assert!(n <= asked && n >= fewest.min(pixels), "{what}");
+                assert!(split.pixels_per_task.is_multiple_of(unit), "{what}");
+                assert!(split.pixels_per_task <= most + unit, "{what}");
+                let mut next = 0;
+                for t in 0..n {
+                    let r = split.range(t);
+                    assert_eq!(r.start, next, "{what}");
+                    assert!(r.end > r.start && r.end % c == 0, "{what}");
+                    if t + 1 < n {
+                        assert_eq!(r.len(), split.pixels_per_task * c, "{what}");
+                    }
+                    next = r.end;
+                }
+                assert_eq!(next, pixels * c, "{what}");
+                let chunks = split.chunks_mut(&mut vec![0u8; pixels * c]).len();
+                assert_eq!(chunks, n.min(pixels * c), "{what}");
+            }
+        }
+        for ((pixels, c), want) in [((16 * 14 * 14, 256), 784), ((16 * 7 * 7, 512), 392)] {
+            assert_eq!(
+                PixelSplit::reduce(&Geometry::new(pixels, c, 1)).pixels_per_task,
+                want
+            );
         }
     }
 
