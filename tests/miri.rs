@@ -4,12 +4,14 @@
 //! ISA, and the portable ISA reads and writes through the same pointers):
 //!
 //! ```text
-//! MIRIFLAGS="-Zmiri-tree-borrows -Zmiri-permissive-provenance -Zmiri-ignore-leaks" \
-//!     cargo +nightly miri test --test miri
+//! MIRIFLAGS="-Zmiri-tree-borrows -Zmiri-permissive-provenance -Zmiri-ignore-leaks \
+//!     -Zmiri-disable-isolation" cargo +nightly miri test --test miri
 //! ```
 //!
 //! (Stacked Borrows stops in crossbeam-epoch, rayon's deque, before any kernel runs;
-//! rayon's pool threads outlive `main`, which Miri reports unless told to ignore it.)
+//! rayon's pool threads outlive `main`, which Miri reports unless told to ignore it;
+//! the Ex gradient's side pass sizes its residency from the caches the files under
+//! `/sys/devices/system/cpu` give, which Miri's isolation refuses to open.)
 //!
 //! (Miri sees no AVX2 or AVX-512: their intrinsics are not all modelled, and CPU
 //! detection reports neither.) Without Miri it is one more quick check against the

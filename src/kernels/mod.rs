@@ -1148,7 +1148,7 @@ mod tests {
                 for t in 0..n {
                     let r = split.range(t);
                     assert_eq!(r.start, next, "{what}");
-                    assert!(r.end > r.start && r.end % c == 0, "{what}");
+                    assert!(r.end > r.start && r.end.is_multiple_of(c), "{what}");
                     if t + 1 < n {
                         assert_eq!(r.len(), split.pixels_per_task * c, "{what}");
                     }
