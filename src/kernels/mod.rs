@@ -813,29 +813,34 @@ pub(crate) struct PixelSplit {
 }
 
 impl PixelSplit {
-    /// The split of a channels-last tensor of geometry `g`: as few tasks of at most
-    /// about [`pixels_per_reduce_task`] pixels as there can be, their number made even
-    /// (where it is over one; rounding their size up to the unit may then take one
-    /// away where there are many), of equal size in whole units of `lcm(C, 32) / C` pixels
-    /// (each task starts where the first does within a vector and a 64-byte line; the
-    /// last task may be shorter). From the shape alone, so the bits do not depend on
-    /// the thread count.
+    /// The split of a channels-last tensor of geometry `g`, from the shape alone (so
+    /// the bits do not depend on the thread count): tasks of [`pixels_per_reduce_task`]
+    /// pixels, a whole number of tiles, the last one what is left — but where that
+    /// makes at most [`FEW_REDUCE_TASKS`] tasks, an even number of them (one stays one)
+    /// of equal size in whole units of `lcm(C, 32) / C` pixels (each task starts where
+    /// the first does within a vector and a 64-byte line; the last may be shorter).
     ///
-    /// Tasks had been whole numbers of tiles, the last one what was left: 16x14x14x256
-    /// was 1024 + 1024 + 1024 + 64 pixels and 16x7x7x512 512 + 272, and on two threads
-    /// one thread read nearly twice the pixels of the other (2048 against 1088); now
-    /// 4 × 784 and 2 × 392. An even count, as [`ChannelMajorSplit::new`]'s chunks, so
-    /// that two threads (this project's machines) share the tasks evenly.
+    /// With a few whole-tile tasks a short last one left one thread up to twice the
+    /// pixels of the other: 16x14x14x256 was 1024 + 1024 + 1024 + 64 pixels (2048
+    /// against 1088 on two threads) and 16x7x7x512 512 + 272; now 4 × 784 and 2 × 392.
+    /// With more tasks the halves two threads take differ by a task at most in many,
+    /// and the even split measured slower where it added a task (16x7x7x2048, 7 → 8;
+    /// 16x28x28x128, 7 → 8: NHWC forward training 0.1–0.9 of a copy higher, its
+    /// tasks' fixed costs and short last tiles; docs/performance.md, 2026-12-06,
+    /// fourth session).
     pub fn reduce(g: &Geometry) -> Self {
         let (pixels, c) = (g.outer, g.channels.max(1));
         let most = pixels_per_reduce_task(c);
-        let mut tasks = pixels.div_ceil(most).max(1);
-        if tasks > 1 && tasks % 2 == 1 {
-            tasks += 1;
-        }
-        let unit = apply::lcm(c, 32) / c;
+        let fewest = pixels.div_ceil(most).max(1);
+        let pixels_per_task = if fewest > 1 && fewest <= FEW_REDUCE_TASKS {
+            let tasks = fewest.next_multiple_of(2);
+            let unit = apply::lcm(c, 32) / c;
+            pixels.div_ceil(tasks).next_multiple_of(unit)
+        } else {
+            most
+        };
         PixelSplit {
-            pixels_per_task: pixels.div_ceil(tasks).max(1).next_multiple_of(unit),
+            pixels_per_task,
             pixels,
             channels: g.channels,
         }
@@ -868,12 +873,16 @@ impl PixelSplit {
     }
 }
 
-/// Most pixels a task of a channels-last reduction is cut for ([`PixelSplit::reduce`]):
-/// a whole number of tiles of about [`TASK`] elements.
+/// Pixels per task of a channels-last reduction ([`PixelSplit::reduce`]): a whole
+/// number of tiles of about [`TASK`] elements.
 pub(crate) fn pixels_per_reduce_task(c: usize) -> usize {
     let ppt = pixels_per_tile(c);
     ((TASK / c.max(1)) / ppt).max(1) * ppt
 }
+
+/// The most whole-tile tasks a channels-last reduction is cut into before
+/// [`PixelSplit::reduce`] evens them out instead.
+const FEW_REDUCE_TASKS: usize = 4;
 
 /// A tile of one channel in a channel-major tensor: `count` contiguous pieces of
 /// `step` elements, the first at `start`, each `stride` after the previous.
@@ -1117,13 +1126,14 @@ mod tests {
         }
     }
 
-    /// A channels-last reduction's tasks cover every pixel once, in order, an even
-    /// number of them (where there are several) of equal size in whole 32-element
-    /// units, each within about `pixels_per_reduce_task`; and the shapes that wanted it
-    /// split evenly: 16x14x14x256 as 4 × 784 pixels (was 3 × 1024 + 64), 16x7x7x512 as
-    /// 2 × 392 (was 512 + 272).
+    /// A channels-last reduction's tasks cover every pixel once, in order: whole-tile
+    /// tasks of `pixels_per_reduce_task` where there are over `FEW_REDUCE_TASKS` of
+    /// them (or one), otherwise an even number of equal size in whole 32-element units;
+    /// and the shapes that wanted it split evenly: 16x14x14x256 as 4 × 784 pixels (was
+    /// 3 × 1024 + 64), 16x7x7x512 as 2 × 392 (was 512 + 272), while 16x7x7x2048 keeps
+    /// its 7 tasks of 128 (6 and 16 pixels over).
     #[test]
-    fn reduction_tasks_are_even_equal_and_cover_the_pixels() {
+    fn reduction_tasks_cover_the_pixels_and_few_are_even() {
         for c in [1, 2, 3, 5, 24, 40, 64, 100, 256, 512, 1000, 2048, 4099] {
             for pixels in [0, 1, 7, 64, 784, 3136, 12_544, 100_003] {
                 let g = Geometry::new(pixels, c, 1);
@@ -1134,16 +1144,22 @@ mod tests {
                 let split = PixelSplit::reduce(&g);
                 let what = format!("{pixels} x {c}: {split:?}");
                 let n = split.len();
-                let unit = apply::lcm(c, 32) / c;
                 let most = pixels_per_reduce_task(c);
-                // At most the even number asked (where over one): equal sizes rounded
-                // up can make fewer (100,003 pixels of 1000 channels: 392 asked, 391 of
-                // 256 pixels; 784 of 4099 channels: 14 asked, 13 of a 32-pixel unit).
                 let fewest = pixels.div_ceil(most).max(1);
-                let asked = fewest + usize::from(fewest > 1 && fewest % 2 == 1);
-                assert!(n <= asked && n >= fewest.min(pixels), "{what}");
-                assert!(split.pixels_per_task.is_multiple_of(unit), "{what}");
-                assert!(split.pixels_per_task <= most + unit, "{what}");
+                if fewest == 1 || fewest > FEW_REDUCE_TASKS {
+                    assert_eq!(split.pixels_per_task, most, "{what}");
+                } else {
+                    // Even, unless rounding the size up to the unit took a task away
+                    // (784 pixels of 4099 channels: 4 asked, 3 of a 32-pixel unit).
+                    let unit = apply::lcm(c, 32) / c;
+                    assert!(split.pixels_per_task.is_multiple_of(unit), "{what}");
+                    assert!(split.pixels_per_task <= most, "{what}");
+                    let exact = pixels.div_ceil(fewest.next_multiple_of(2));
+                    assert!(
+                        n.is_multiple_of(2) || split.pixels_per_task > exact,
+                        "{what}"
+                    );
+                }
                 let mut next = 0;
                 for t in 0..n {
                     let r = split.range(t);
@@ -1159,11 +1175,16 @@ mod tests {
                 assert_eq!(chunks, n.min(pixels * c), "{what}");
             }
         }
-        for ((pixels, c), want) in [((16 * 14 * 14, 256), 784), ((16 * 7 * 7, 512), 392)] {
-            assert_eq!(
-                PixelSplit::reduce(&Geometry::new(pixels, c, 1)).pixels_per_task,
-                want
-            );
+        for ((pixels, c), want) in [
+            ((16 * 14 * 14, 256), (784, 4)),
+            ((16 * 7 * 7, 512), (392, 2)),
+            ((16 * 28 * 28, 24), (6272, 2)),
+            ((16 * 7 * 7, 2048), (128, 7)),
+            ((64 * 56 * 56, 256), (1024, 196)),
+        ] {
+            let split = PixelSplit::reduce(&Geometry::new(pixels, c, 1));
+            let got = (split.pixels_per_task, split.len());
+            assert_eq!(got, want, "{pixels} x {c}");
         }
     }
 
