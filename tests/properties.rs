@@ -263,7 +263,7 @@ fn large_and_odd_geometries_match_reference() {
         (DataFormat::Nchw, &[3, 5, 97, 101]),   // rows of 9797 > TILE
         (DataFormat::Nchw, &[40, 3, 33, 31]),   // many rows per tile, several tasks
         (DataFormat::Nhwc, &[4, 61, 67, 9]),    // channels-last, many tiles, parallel
-        (DataFormat::Nhwc, &[2, 17, 13, 2048]), // wide C: 8 pixels per tile
+        (DataFormat::Nhwc, &[2, 17, 13, 2048]), // wide C: 64 pixels per tile, 4 tasks
         (DataFormat::Nhwc, &[2, 25, 27, 512]),  // three reduction tasks evened to four
         (DataFormat::Nhwc, &[1, 1, 70001, 1]),  // C = 1: one contiguous run
         (DataFormat::Ncdhw, &[2, 4, 9, 30, 31]),

@@ -402,7 +402,11 @@ impl Geometry {
     /// Pixels per channels-last elementwise task: a multiple of `lcm(C, 32) / C`
     /// pixels (a multiple of 32 elements: 64 bytes of 16-bit data, whole vectors of
     /// every ISA), so every task starts at the same alignment and lane phase as the
-    /// first; at most about [`TASK`] elements, in [`balanced`] tasks.
+    /// first; about [`TASK`] elements at most (at least one unit: 32 pixels for an odd
+    /// C), in [`balanced`] tasks. Where that unit would leave a thread without a task
+    /// (few pixels of an odd C: 128 pixels of 1025 channels on three threads made two
+    /// tasks of 64), 16 pixels instead, as before: a task's kernel finds its own
+    /// alignment, and an elementwise split decides no bits.
     ///
     /// The unit had been 16 pixels whatever C, which undid the balance where a pixel
     /// is long: 16x7x7x2048 (784 pixels) was cut 7 × 112 where [`balanced`] asked 8 × 98,
@@ -411,7 +415,19 @@ impl Geometry {
         let c = self.channels.max(1);
         let unit = apply::lcm(c, 32) / c;
         let most = ((TASK / c) / unit).max(1) * unit;
-        balanced(self.outer, most, self.parallel()).next_multiple_of(unit)
+        let parallel = self.parallel();
+        let per = balanced(self.outer, most, parallel);
+        let whole = per.next_multiple_of(unit);
+        let threads = if parallel {
+            rayon::current_num_threads().max(1)
+        } else {
+            1
+        };
+        if unit > 16 && self.outer.div_ceil(whole) < threads.min(self.outer) {
+            per.next_multiple_of(16)
+        } else {
+            whole
+        }
     }
 
     /// Whole rows ([`Geometry::row_len`]) per task of an elementwise pass: pixels in
@@ -818,7 +834,9 @@ impl PixelSplit {
     /// pixels, a whole number of tiles, the last one what is left — but where that
     /// makes at most [`FEW_REDUCE_TASKS`] tasks, an even number of them (one stays one)
     /// of equal size in whole units of `lcm(C, 32) / C` pixels (each task starts where
-    /// the first does within a vector and a 64-byte line; the last may be shorter).
+    /// the first does within a vector and a 64-byte line; the last may be shorter, and
+    /// rounding the size up to the unit can leave an odd count: 257 pixels of 1367
+    /// channels are 96 + 96 + 65).
     ///
     /// With a few whole-tile tasks a short last one left one thread up to twice the
     /// pixels of the other: 16x14x14x256 was 1024 + 1024 + 1024 + 64 pixels (2048
@@ -1109,11 +1127,16 @@ mod tests {
                         let g = Geometry::new(outer, c, 1);
                         let per = g.rows_per_task();
                         let what = format!("{threads} threads, {outer} x {c}: {per}");
-                        assert!((per * c).is_multiple_of(32), "{what}");
                         let unit = apply::lcm(c, 32) / c;
+                        // Whole units, or 16 pixels where the unit would idle a thread.
+                        assert!(
+                            (per * c).is_multiple_of(32) || (unit > 16 && per.is_multiple_of(16)),
+                            "{what}"
+                        );
                         assert!(per * c <= TASK.max(unit * c) + unit * c, "{what}");
-                        if g.parallel() && outer >= threads * unit {
-                            // Every thread has a task.
+                        let fits = outer.div_ceil(threads).next_multiple_of(unit);
+                        if g.parallel() && fits * (threads - 1) < outer {
+                            // Every thread has a task where whole units allow it.
                             assert!(outer.div_ceil(per) >= threads, "{what}");
                         }
                     }
@@ -1121,6 +1144,12 @@ mod tests {
                 let g = Geometry::new(16 * 7 * 7, 2048, 1);
                 if threads == 2 {
                     assert_eq!(g.rows_per_task(), 98);
+                }
+                // 128 pixels of 1025 channels: two tasks of 64 in units of 32 pixels,
+                // so 16-pixel units on three threads (3 × 48 pixels, the last 32).
+                let g = Geometry::new(128, 1025, 1);
+                if threads == 3 {
+                    assert_eq!(g.rows_per_task(), 48);
                 }
             });
         }
@@ -1134,8 +1163,10 @@ mod tests {
     /// its 7 tasks of 128 (6 and 16 pixels over).
     #[test]
     fn reduction_tasks_cover_the_pixels_and_few_are_even() {
-        for c in [1, 2, 3, 5, 24, 40, 64, 100, 256, 512, 1000, 2048, 4099] {
-            for pixels in [0, 1, 7, 64, 784, 3136, 12_544, 100_003] {
+        for c in [
+            1, 2, 3, 5, 24, 34, 40, 64, 100, 256, 512, 1000, 1367, 2048, 4099,
+        ] {
+            for pixels in [0, 1, 7, 64, 129, 257, 784, 3136, 12_544, 15_393, 100_003] {
                 let g = Geometry::new(pixels, c, 1);
                 if !g.channels_last() {
                     // C = 1 is one channel-major run, which this split never sees.
@@ -1150,10 +1181,10 @@ mod tests {
                     assert_eq!(split.pixels_per_task, most, "{what}");
                 } else {
                     // Even, unless rounding the size up to the unit took a task away
-                    // (784 pixels of 4099 channels: 4 asked, 3 of a 32-pixel unit).
+                    // (257 pixels of 1367 channels: 4 asked, 3 of 96 pixels).
                     let unit = apply::lcm(c, 32) / c;
                     assert!(split.pixels_per_task.is_multiple_of(unit), "{what}");
-                    assert!(split.pixels_per_task <= most, "{what}");
+                    assert!(split.pixels_per_task < most + unit, "{what}");
                     let exact = pixels.div_ceil(fewest.next_multiple_of(2));
                     assert!(
                         n.is_multiple_of(2) || split.pixels_per_task > exact,
@@ -1180,6 +1211,7 @@ mod tests {
             ((16 * 7 * 7, 512), (392, 2)),
             ((16 * 28 * 28, 24), (6272, 2)),
             ((16 * 7 * 7, 2048), (128, 7)),
+            ((257, 1367), (96, 3)),
             ((64 * 56 * 56, 256), (1024, 196)),
         ] {
             let split = PixelSplit::reduce(&Geometry::new(pixels, c, 1));
