@@ -112,6 +112,15 @@ fn channels_last_statistics_of_every_pixel_width_on_every_isa() {
     );
 }
 
+/// Channels-last statistics cut into two to four reduction tasks are evened out into
+/// an even number of equal ones (`PixelSplit::reduce`): at the most pixels a channel
+/// that path takes, C = 2 (392,704 pixels: three whole-tile tasks, now four of 98,176)
+/// and C = 3 (240,000: four of 60,000), far from zero, on every ISA this CPU has.
+#[test]
+fn channels_last_statistics_of_few_evened_tasks_on_every_isa() {
+    check_all(nhwc_training_far(&[[1, 512, 767, 2], [1, 400, 600, 3]]), 4);
+}
+
 /// FusedBatchNormV3 in training of each NHWC shape, far from zero, f32 and bf16, on
 /// every ISA this CPU has.
 fn nhwc_training_far(shapes: &[[usize; 4]]) -> Vec<Case> {

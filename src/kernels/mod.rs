@@ -1057,17 +1057,22 @@ impl Iterator for ChannelTiles {
 mod tests {
     use super::*;
 
+    /// `f()` on a fresh pool of `threads` threads.
+    fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a thread pool")
+            .install(f)
+    }
+
     /// A balanced split keeps every task within `most` items, covers the items, and in
     /// parallel gives a task to every thread (while there are items for them), with as
     /// many tasks as a multiple of the threads allows; serially, as few as `most` allows.
     #[test]
     fn balanced_tasks_fit_and_share_the_threads() {
         for threads in [1, 2, 3, 8] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .expect("a thread pool");
-            pool.install(|| {
+            in_pool(threads, || {
                 for (items, most) in [
                     (512, 334),
                     (8192, 5349),
@@ -1117,11 +1122,7 @@ mod tests {
     #[test]
     fn channels_last_tasks_are_whole_units_and_balanced() {
         for threads in [1, 2, 3, 4] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .expect("a thread pool");
-            pool.install(|| {
+            in_pool(threads, || {
                 for c in [2, 3, 5, 24, 40, 64, 100, 512, 1000, 2048, 4099] {
                     for outer in [1, 7, 784, 3136, 100_003] {
                         let g = Geometry::new(outer, c, 1);
@@ -1212,6 +1213,8 @@ mod tests {
             ((16 * 28 * 28, 24), (6272, 2)),
             ((16 * 7 * 7, 2048), (128, 7)),
             ((257, 1367), (96, 3)),
+            ((512 * 767, 2), (98_176, 4)), // tests/scale.rs' evened shapes
+            ((400 * 600, 3), (60_000, 4)),
             ((64 * 56 * 56, 256), (1024, 196)),
         ] {
             let split = PixelSplit::reduce(&Geometry::new(pixels, c, 1));
@@ -1277,12 +1280,8 @@ mod tests {
             (40, 1 << 15, 6, 7), // 5 chunks of 8 rows before
         ] {
             for threads in [1, 2, 3] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .expect("a thread pool");
                 let g = Geometry::new(outer, 2, inner);
-                let split = pool.install(|| ChannelMajorSplit::new(&g));
+                let split = in_pool(threads, || ChannelMajorSplit::new(&g));
                 let what = format!("{outer}x{inner}, {threads} threads: {split:?}");
                 assert_eq!(
                     (split.chunks, split.rows_per_task),
