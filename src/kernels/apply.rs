@@ -302,7 +302,9 @@ fn short_rows_with<U, S, T, F, const N: usize, const K: usize>(
     let unit = if pairs { 2 * l } else { l };
     let (whole, overlap) = (inner / unit, !inner.is_multiple_of(unit));
     let rows = out.len() / inner;
-    // Every input at least `out.len()` long (checked in `Walk::new`).
+    // Every input at least `out.len()` long: `Walk::new` asserts it (`Reads::new`), and
+    // `out_base` is the start of the whole of `out`. The last unit of a row may reach
+    // past the walk's whole vectors, never past `out.len()`.
     let mut w = Walk::new(l, ins, out);
     assert!(w.reads.lanes_of(s) && unit <= inner);
     let (src, dst) = (w.reads.base(), w.out_base());
@@ -1366,58 +1368,87 @@ mod tests {
         }
     }
 
-    /// Channel-major chunks of whole rows (from row `row0`, the channel wrapping around
-    /// within the chunk), every row length from below a vector to past the short-row
-    /// limit, on every ISA: bit for bit as in [`streamed_affine_is_exact`], into an
-    /// output filled with NaN and placed on and off a line.
+    /// Channel-major chunks of whole rows (from row `row0`, below and past C, the channel
+    /// wrapping around within the chunk or not), every row length from below a vector to
+    /// past the short-row limit, with one input (the affine map) and two (a side input
+    /// and ReLU), and with a NaN constant whose payload is in the bits bf16 drops (in a
+    /// channel the chunk has, or one it has not), on every ISA: bit for bit against the
+    /// scalar formula rounded as the kernel rounds (x86 `max` for the ReLU: the NaN
+    /// passes), into an output filled with NaN and placed on and off a line. (f16: any
+    /// NaN for a NaN, as the hardware and `half` may keep different payload bits.)
     fn channel_major_affine_is_exact<T: Element<Stat = f32>>() {
         let c = 5;
         let longest = 2 * STREAM_ROW_BYTES / size_of::<T>();
-        let mut inners: Vec<usize> = (1..=70).collect();
+        // (Rows of one element are the channels-last layout.)
+        let mut inners: Vec<usize> = (2..=70).collect();
         inners.extend([
             95, 96, 97, 127, 128, 196, 255, 256, 257, 511, 512, 513, longest,
         ]);
+        let same = |a: &[T], b: &[T]| {
+            a.iter().zip(b).all(|(p, q)| {
+                let (p, q) = (p.widen(), q.widen());
+                p.to_bits() == q.to_bits() || (T::DTYPE == DType::F16 && p.is_nan() && q.is_nan())
+            }) && a.len() == b.len()
+        };
         for inner in inners {
             let g = Geometry::new(3, c, inner);
-            for (row0, rows) in [(0, 15), (2, 4), (4, 9), (1, 1)] {
+            // (row0, rows): wrapping, not, a single row, and from past C.
+            for (row0, rows) in [(0, 15), (2, 4), (4, 9), (1, 1), (7, 3), (9, 4)] {
                 let n = rows * inner;
                 let x: Vec<T> = (0..n)
                     .map(|i| T::narrow((i % 1013) as f32 * 0.37 - 150.0))
                     .collect();
                 let side: Vec<T> = (0..n).map(|i| T::narrow((i % 17) as f32 - 8.5)).collect();
-                let k: [Vec<f32>; 3] = std::array::from_fn(|j| {
-                    (0..c).map(|ch| ch as f32 * 0.3 + j as f32 - 0.9).collect()
-                });
-                let want: Vec<T> = (0..n)
-                    .map(|i| {
+                for nan in [None, Some(3), Some(0)] {
+                    let mut k: [Vec<f32>; 3] = std::array::from_fn(|j| {
+                        (0..c).map(|ch| ch as f32 * 0.3 + j as f32 - 0.9).collect()
+                    });
+                    if let Some(ch) = nan {
+                        k[1][ch] = f32::from_bits(0x7FC0_FFFF);
+                    }
+                    let affine = |i: usize| {
                         let ch = (row0 + i / inner) % c;
-                        let v = (x[i].widen() - k[0][ch]) * k[1][ch] + k[2][ch];
-                        T::narrow((v + side[i].widen()).max(0.0))
-                    })
-                    .collect();
-                let bits = |v: &[T]| v.iter().map(|e| e.widen().to_bits()).collect::<Vec<_>>();
-                for isa in Isa::supported() {
-                    for skip in [0, 1, 3] {
-                        // Room for the line's offset (up to 31 16-bit elements, any
-                        // number under Miri's allocator) and the skip.
-                        let mut buf = vec![T::narrow(f32::NAN); n + 64];
-                        let at = buf.as_ptr().align_offset(64) + skip;
-                        let out = &mut buf[at..at + n];
-                        let pass = Elementwise {
-                            g: &g,
-                            row0,
-                            ins: [&x[..], &side[..]],
-                            out,
-                            consts: [&k[0][..], &k[1][..], &k[2][..]],
-                            stream: false,
-                            f: AffineSide::<true>,
-                        };
-                        f32::dispatch(isa, pass);
-                        assert_eq!(
-                            bits(&buf[at..at + n]),
-                            bits(&want),
-                            "{isa:?} inner={inner} row0={row0} rows={rows} skip={skip}"
-                        );
+                        (x[i].widen() - k[0][ch]) * k[1][ch] + k[2][ch]
+                    };
+                    let relu = |v: f32| if 0.0 > v { 0.0 } else { v };
+                    let want_side: Vec<T> = (0..n)
+                        .map(|i| T::narrow(relu(affine(i) + side[i].widen())))
+                        .collect();
+                    let want_plain: Vec<T> = (0..n).map(|i| T::narrow(affine(i))).collect();
+                    for isa in Isa::supported() {
+                        for skip in [0, 1, 3] {
+                            let what = format!(
+                                "{isa:?} inner={inner} row0={row0} rows={rows} nan={nan:?} skip={skip}"
+                            );
+                            // Room for the line's offset (up to 31 16-bit elements, any
+                            // number under Miri's allocator) and the skip.
+                            let mut buf = vec![T::narrow(f32::NAN); n + 64];
+                            let at = buf.as_ptr().align_offset(64) + skip;
+                            let consts = [&k[0][..], &k[1][..], &k[2][..]];
+                            let pass = Elementwise {
+                                g: &g,
+                                row0,
+                                ins: [&x[..], &side[..]],
+                                out: &mut buf[at..at + n],
+                                consts,
+                                stream: false,
+                                f: AffineSide::<true>,
+                            };
+                            f32::dispatch(isa, pass);
+                            assert!(same(&buf[at..at + n], &want_side), "side, ReLU: {what}");
+                            buf.fill(T::narrow(f32::NAN));
+                            let pass = Elementwise {
+                                g: &g,
+                                row0,
+                                ins: [&x[..]],
+                                out: &mut buf[at..at + n],
+                                consts,
+                                stream: false,
+                                f: Affine,
+                            };
+                            f32::dispatch(isa, pass);
+                            assert!(same(&buf[at..at + n], &want_plain), "affine: {what}");
+                        }
                     }
                 }
             }
