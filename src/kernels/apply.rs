@@ -1368,6 +1368,36 @@ mod tests {
         }
     }
 
+    /// The channel-major pass over a chunk of `ins[0].len()` elements from row `row0`
+    /// (not streamed), written into a buffer filled with NaN at `skip` elements past a
+    /// line; the chunk's output.
+    fn into_fresh<T: Element<Stat = f32>, F: VectorFn<N, 3>, const N: usize>(
+        isa: Isa,
+        g: &Geometry,
+        row0: usize,
+        ins: [&[T]; N],
+        consts: [&[f32]; 3],
+        f: F,
+        skip: usize,
+    ) -> Vec<T> {
+        let n = ins[0].len();
+        // Room for the line's offset (up to 31 16-bit elements, any number under Miri's
+        // allocator) and the skip.
+        let mut buf = vec![T::narrow(f32::NAN); n + 64];
+        let at = buf.as_ptr().align_offset(64) + skip;
+        let pass = Elementwise {
+            g,
+            row0,
+            ins,
+            out: &mut buf[at..at + n],
+            consts,
+            stream: false,
+            f,
+        };
+        f32::dispatch(isa, pass);
+        buf[at..at + n].to_vec()
+    }
+
     /// Channel-major chunks of whole rows (from row `row0`, below and past C, the channel
     /// wrapping around within the chunk or not), every row length from below a vector to
     /// past the short-row limit, with one input (the affine map) and two (a side input
@@ -1420,34 +1450,13 @@ mod tests {
                             let what = format!(
                                 "{isa:?} inner={inner} row0={row0} rows={rows} nan={nan:?} skip={skip}"
                             );
-                            // Room for the line's offset (up to 31 16-bit elements, any
-                            // number under Miri's allocator) and the skip.
-                            let mut buf = vec![T::narrow(f32::NAN); n + 64];
-                            let at = buf.as_ptr().align_offset(64) + skip;
                             let consts = [&k[0][..], &k[1][..], &k[2][..]];
-                            let pass = Elementwise {
-                                g: &g,
-                                row0,
-                                ins: [&x[..], &side[..]],
-                                out: &mut buf[at..at + n],
-                                consts,
-                                stream: false,
-                                f: AffineSide::<true>,
-                            };
-                            f32::dispatch(isa, pass);
-                            assert!(same(&buf[at..at + n], &want_side), "side, ReLU: {what}");
-                            buf.fill(T::narrow(f32::NAN));
-                            let pass = Elementwise {
-                                g: &g,
-                                row0,
-                                ins: [&x[..]],
-                                out: &mut buf[at..at + n],
-                                consts,
-                                stream: false,
-                                f: Affine,
-                            };
-                            f32::dispatch(isa, pass);
-                            assert!(same(&buf[at..at + n], &want_plain), "affine: {what}");
+                            let ins = [&x[..], &side[..]];
+                            let got =
+                                into_fresh(isa, &g, row0, ins, consts, AffineSide::<true>, skip);
+                            assert!(same(&got, &want_side), "side, ReLU: {what}");
+                            let got = into_fresh(isa, &g, row0, [&x[..]], consts, Affine, skip);
+                            assert!(same(&got, &want_plain), "affine: {what}");
                         }
                     }
                 }
