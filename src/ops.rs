@@ -32,6 +32,19 @@ use crate::kernels::simd::Isa;
 use crate::sync::{self, Collective};
 use crate::tensor::{DType, Tensor};
 
+/// `$f::<T>(args)` with `T` the element type of the run-time `$dtype`: the op layer's
+/// one step from a [`Tensor`]'s dtype to the typed API (each arm a monomorphized call).
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+        }
+    };
+}
+
 /// One of TensorFlow's fused batch-norm ops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -540,40 +553,17 @@ impl Op {
         } else {
             None
         };
-        let mut out = match x.dtype() {
-            DType::F16 => forward::<f16>(
+        let mut out = by_dtype!(
+            x.dtype(),
+            forward(
                 &problem,
                 [x, scale, offset],
                 stats,
                 ex,
                 (attrs, backend),
-                sync,
-            )?,
-            DType::BF16 => forward::<bf16>(
-                &problem,
-                [x, scale, offset],
-                stats,
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-            DType::F32 => forward::<f32>(
-                &problem,
-                [x, scale, offset],
-                stats,
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-            DType::F64 => forward::<f64>(
-                &problem,
-                [x, scale, offset],
-                stats,
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-        };
+                sync
+            )
+        )?;
         if self.version() == 3 {
             out.push(Tensor::empty(u));
         }
@@ -672,36 +662,16 @@ impl Op {
             mask: y.filter(|_| attrs.activation_mode == Activation::Relu),
             side_grad: self.is_ex(),
         };
-        let mut out = match x.dtype() {
-            DType::F16 => gradient::<f16>(
+        let mut out = by_dtype!(
+            x.dtype(),
+            gradient(
                 &problem,
                 [dy, x, scale, rs1, rs2],
                 ex,
                 (attrs, backend),
-                sync,
-            )?,
-            DType::BF16 => gradient::<bf16>(
-                &problem,
-                [dy, x, scale, rs1, rs2],
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-            DType::F32 => gradient::<f32>(
-                &problem,
-                [dy, x, scale, rs1, rs2],
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-            DType::F64 => gradient::<f64>(
-                &problem,
-                [dy, x, scale, rs1, rs2],
-                ex,
-                (attrs, backend),
-                sync,
-            )?,
-        };
+                sync
+            )
+        )?;
         let side_grad = if self.is_ex() { out.pop() } else { None };
         out.push(Tensor::empty(u));
         out.push(Tensor::empty(u));
@@ -759,12 +729,7 @@ impl Op {
             check_stat_dtype(name, t, u)?;
         }
         let args = [dy, x, scale, rs1, rs2, ga, gs, go];
-        let out = match x.dtype() {
-            DType::F16 => second_order::<f16>(&problem, args, attrs.is_training)?,
-            DType::BF16 => second_order::<bf16>(&problem, args, attrs.is_training)?,
-            DType::F32 => second_order::<f32>(&problem, args, attrs.is_training)?,
-            DType::F64 => second_order::<f64>(&problem, args, attrs.is_training)?,
-        };
+        let out = by_dtype!(x.dtype(), second_order(&problem, args, attrs.is_training))?;
         Ok(Outputs::new(self, out))
     }
 
