@@ -307,12 +307,17 @@ fn sums_run<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const N: usiz
     let mut z = pace.zip_take();
     // Four vectors a step, in four chains of sums: with two, the loop waited on the
     // latency of its additions (as `stats::deviation_sums`, and as there loaded as two
-    // pairs in the ISA's pair order: every lane has the same mean here).
+    // pairs in any lane order, `Simd::load_pair_unordered_ptr`: every lane has the
+    // same mean here).
     for i in 0..r.vectors() / 4 {
         let j = 4 * i;
         // SAFETY: `j + 3 < 4·(vectors / 4) <= vectors`; lanes checked above.
-        let ((v0, v1), (v2, v3)) =
-            unsafe { (r.load_pair_unchecked(s, j), r.load_pair_unchecked(s, j + 2)) };
+        let ((v0, v1), (v2, v3)) = unsafe {
+            (
+                r.load_pair_unordered_unchecked(s, j),
+                r.load_pair_unordered_unchecked(s, j + 2),
+            )
+        };
         fold(s, &v0, m, &mut a, &mut b);
         fold(s, &v1, m, &mut a1, &mut b1);
         fold(s, &v2, m, &mut a2, &mut b2);

@@ -308,14 +308,19 @@ fn deviation_sums<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
         assert!(r.lanes_of(s));
         // Four vectors a step, in four chains of sums: with two, the loop waited on
         // the latency of its additions (4 cycles a step), not on its instructions.
-        // Loaded as two pairs, in the ISA's pair order (`Simd::pair_even_odd`): a sum
-        // may take its values in any lanes, and AVX2 widens 16 bf16 with one load, a
-        // shift and a mask where two vectors took two widening loads and two shifts.
+        // Loaded as two pairs in any lane order (`Simd::load_pair_unordered_ptr`): a
+        // sum may take its values in any lanes, and AVX2 and AVX-512 widen a pair of
+        // bf16 vectors with one load, a shift and a mask where two vectors took two
+        // widening loads (`vpmovzxwd`) and two shifts.
         for i in 0..r.vectors() / 4 {
             let j = 4 * i;
             // SAFETY: `j + 3 < 4·(vectors / 4) <= vectors`; lanes checked above.
-            let (([a], [b]), ([c], [e])) =
-                unsafe { (r.load_pair_unchecked(s, j), r.load_pair_unchecked(s, j + 2)) };
+            let (([a], [b]), ([c], [e])) = unsafe {
+                (
+                    r.load_pair_unordered_unchecked(s, j),
+                    r.load_pair_unordered_unchecked(s, j + 2),
+                )
+            };
             let (a, b, c, e) = (s.sub(a, kv), s.sub(b, kv), s.sub(c, kv), s.sub(e, kv));
             s1 = s.add(s1, a);
             s2 = s.mul_add(a, a, s2);

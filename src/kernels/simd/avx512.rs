@@ -295,6 +295,26 @@ impl Simd<f32> for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn load_pair_unordered_ptr<T: Element<Stat = f32>>(
+        self,
+        p: *const T,
+    ) -> (__m512, __m512) {
+        // SAFETY: the caller guarantees 32 readable elements at `p`.
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    // Element 2i is the low half of 32-bit lane i, 2i + 1 the high half:
+                    // the even elements shifted up, the odd ones masked.
+                    let v = _mm512_loadu_si512(p.cast());
+                    let even = _mm512_slli_epi32::<16>(v);
+                    let odd = _mm512_and_si512(v, _mm512_set1_epi32(-65536));
+                    (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+                }
+                _ => self.load_pair_ptr(p),
+            }
+        }
+    }
+    #[inline(always)]
     fn pair_stream_align<T: Element<Stat = f32>>(self) -> usize {
         // 16-bit: a line, for one 64-byte store a pair (`stream2_ptr`).
         match T::DTYPE {

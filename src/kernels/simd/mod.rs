@@ -373,6 +373,23 @@ pub trait Simd<U>: Copy + Send + Sync + 'static {
         // SAFETY: the caller's guarantee covers both halves.
         unsafe { (self.load_ptr(p), self.load_ptr(p.add(Self::LANES))) }
     }
+    /// Loads `2·LANES` elements from `p` as two vectors whose lanes hold them in any
+    /// order, for sums over a run in which every lane meets the same constants (a
+    /// channel-major row: the statistics, the gradient's sums). AVX-512 takes bf16 as
+    /// even and odd elements there, one load, a shift and a mask for 32 where
+    /// [`Simd::load_pair_ptr`] widens each half with a shuffle (`vpmovzxwd`) and a
+    /// shift; the other ISAs and types load as [`Simd::load_pair_ptr`].
+    ///
+    /// # Safety
+    /// `p` is valid for reads of `2·LANES` elements.
+    #[inline(always)]
+    unsafe fn load_pair_unordered_ptr<T: Element<Stat = U>>(
+        self,
+        p: *const T,
+    ) -> (Self::V, Self::V) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.load_pair_ptr(p) }
+    }
     /// Stores a pair loaded by [`Simd::load_pair_ptr`] (the same order) at `p`.
     ///
     /// # Safety
@@ -684,11 +701,56 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
         s: S,
         j: usize,
     ) -> ([S::V; N], [S::V; N]) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.pairs_at::<S, false>(s, j) }
+    }
+
+    /// [`Reads::load_pair_unchecked`] with [`Simd::load_pair_unordered_ptr`]: for sums
+    /// in which every lane meets the same constants. Every input's pair is in the same
+    /// order.
+    ///
+    /// # Safety
+    /// As [`Reads::load_pair_unchecked`].
+    #[inline(always)]
+    pub unsafe fn load_pair_unordered_unchecked<S: Simd<T::Stat>>(
+        &self,
+        s: S,
+        j: usize,
+    ) -> ([S::V; N], [S::V; N]) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.pairs_at::<S, true>(s, j) }
+    }
+
+    /// Vectors `j` and `j + 1` of every input, in the ISA's pair order (`UNORDERED`:
+    /// in that of [`Simd::load_pair_unordered_ptr`]).
+    ///
+    /// # Safety
+    /// As [`Reads::load_pair_unchecked`].
+    #[inline(always)]
+    unsafe fn pairs_at<S: Simd<T::Stat>, const UNORDERED: bool>(
+        &self,
+        s: S,
+        j: usize,
+    ) -> ([S::V; N], [S::V; N]) {
         debug_assert!(j + 1 < self.vectors && S::LANES == self.lanes);
         let at = j * self.lanes;
-        // SAFETY: `(j + 2)·lanes <= len` (the caller's guarantee) and every input holds
-        // at least `len` elements (checked in `new`); the borrow lives as long as `self`.
-        let (a0, b0) = unsafe { s.load_pair_ptr(self.ins[0].add(at)) };
+        // (A macro, not a closure: closures are compiled without the kernel's target
+        // features.)
+        macro_rules! pair {
+            ($p:expr) => {
+                // SAFETY: `(j + 2)·lanes <= len` (the caller's guarantee) and every
+                // input holds at least `len` elements (checked in `new`); the borrow
+                // lives as long as `self`.
+                unsafe {
+                    if UNORDERED {
+                        s.load_pair_unordered_ptr($p.add(at))
+                    } else {
+                        s.load_pair_ptr($p.add(at))
+                    }
+                }
+            };
+        }
+        let (a0, b0) = pair!(self.ins[0]);
         let (mut a, mut b) = ([a0; N], [b0; N]);
         // Unrolled by hand as in `load`.
         assert!(N <= 4);
@@ -697,8 +759,7 @@ impl<'a, T: Element, const N: usize> Reads<'a, T, N> {
                 if let (Some(x), Some(y), Some(p)) =
                     (a.get_mut($i), b.get_mut($i), self.ins.get($i))
                 {
-                    // SAFETY: as above.
-                    (*x, *y) = unsafe { s.load_pair_ptr(p.add(at)) };
+                    (*x, *y) = pair!(p);
                 }
             };
         }
@@ -1271,6 +1332,124 @@ mod tests {
         pairs::<bf16>(bf16::to_bits);
         pairs::<f32>(|v| (v.to_bits() >> 16) as u16);
         pairs::<f32>(|v| v.to_bits() as u16);
+    }
+
+    /// The pair-order methods of one ISA on `src` (`4·LANES` elements of `T`): what
+    /// [`Simd::load_pair_ptr`] loads, put back in lane order; the pair order of the
+    /// same vectors loaded one by one; and the pair as stored by every pair store, in
+    /// a buffer aligned to a 64-byte line (`out[0]`) and half a line off (`out[1]`).
+    struct PairOrder<'a, T> {
+        src: &'a [T],
+        out: [&'a mut [T]; 2],
+    }
+
+    /// (lane order of the pair load, pair order of the single loads, the pair load, the
+    /// unordered pair load), as f32 bits.
+    type PairLanes = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>);
+
+    impl<T: Element<Stat = f32>> Kernel<f32> for PairOrder<'_, T> {
+        type Output = PairLanes;
+        #[inline(always)]
+        fn run<S: Simd<f32>>(self, s: S) -> PairLanes {
+            let l = S::LANES;
+            assert!(self.src.len() >= 2 * l);
+            let bits = |vs: [S::V; 2]| {
+                let mut lanes = vec![0f32; 2 * l];
+                s.store(&mut lanes, vs[0]);
+                s.store(&mut lanes[l..], vs[1]);
+                lanes.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            // SAFETY: `src` holds 2·l elements (asserted above).
+            let (a, b) = unsafe { s.load_pair_ptr(self.src.as_ptr()) };
+            let (x, y) = s.to_lane_order::<T>(a, b);
+            let (e, o) = s.to_pair_order::<T>(s.load(self.src), s.load(&self.src[l..]));
+            // SAFETY: as above.
+            let (u, v) = unsafe { s.load_pair_unordered_ptr(self.src.as_ptr()) };
+            let [lined, half] = self.out;
+            // Half a line off only for 16-bit types: an f32 pair there is not aligned
+            // to the 64 bytes AVX-512 streams it with.
+            let half = (size_of::<T>() == 2).then_some((half, HALF_LINE));
+            for (buf, at) in std::iter::once((lined, 0)).chain(half) {
+                let head = buf.as_ptr().align_offset(64) + at;
+                assert!(buf.len() >= head + 8 * l);
+                let p = buf[head..].as_mut_ptr();
+                // SAFETY: 8·l elements from `head` are in `buf` (asserted above); `p` is
+                // aligned to a line (`at` = 0), or for a 16-bit type to 32 bytes (`l`
+                // elements, what a pair stream needs); `stream_pair_cl_whole_ptr` runs
+                // only at a line.
+                unsafe {
+                    s.store_pair_ptr(p, a, b);
+                    s.stream_pair_ptr(p.add(2 * l), a, b);
+                    s.stream_pair_cl_ptr(p.add(4 * l), a, b);
+                    if at == 0 {
+                        s.stream_pair_cl_whole_ptr(p.add(6 * l), a, b);
+                    } else {
+                        s.store_pair_ptr(p.add(6 * l), a, b);
+                    }
+                }
+            }
+            s.fence();
+            (bits([x, y]), bits([e, o]), bits([a, b]), bits([u, v]))
+        }
+    }
+
+    /// Half a 64-byte line of a 16-bit type, in elements.
+    const HALF_LINE: usize = 16;
+
+    fn pair_order_of<T: Element<Stat = f32> + PartialEq + std::fmt::Debug>() {
+        for isa in Target::all() {
+            let l = isa.lanes();
+            let src: Vec<T> = (0..2 * l)
+                .map(|i| T::narrow(i as f32 * 0.75 - 5.0))
+                .collect();
+            let want: Vec<u32> = src.iter().map(|v| v.widen().to_bits()).collect();
+            let mut lined = vec![T::default(); 8 * l + 64];
+            let mut half = vec![T::default(); 8 * l + 64];
+            let (lanes, paired, loaded, mut unordered) = isa.run(PairOrder {
+                src: &src,
+                out: [&mut lined, &mut half],
+            });
+            assert_eq!(
+                lanes,
+                want,
+                "{isa} {:?}: to_lane_order(load_pair)",
+                T::DTYPE
+            );
+            assert_eq!(
+                paired,
+                loaded,
+                "{isa} {:?}: to_pair_order(load, load)",
+                T::DTYPE
+            );
+            // The unordered pair load: every element once, in some lanes.
+            let mut sorted = want.clone();
+            sorted.sort_unstable();
+            unordered.sort_unstable();
+            assert_eq!(
+                unordered,
+                sorted,
+                "{isa} {:?}: load_pair_unordered",
+                T::DTYPE
+            );
+            let half = (size_of::<T>() == 2).then_some((&half, HALF_LINE));
+            for (buf, at) in std::iter::once((&lined, 0)).chain(half) {
+                let head = buf.as_ptr().align_offset(64) + at;
+                for (k, how) in ["store_pair", "stream_pair", "stream_pair_cl", "cl_whole"]
+                    .iter()
+                    .enumerate()
+                {
+                    let got = &buf[head + 2 * k * l..][..2 * l];
+                    assert_eq!(got, &src[..], "{isa} {:?}: {how}, offset {at}", T::DTYPE);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pair_order_round_trips_and_every_pair_store_agrees() {
+        pair_order_of::<f32>();
+        pair_order_of::<f16>();
+        pair_order_of::<bf16>();
     }
 
     /// Writes `v` partially into `buf[1..1 + n]` on one ISA.
