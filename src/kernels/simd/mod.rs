@@ -1337,7 +1337,9 @@ mod tests {
     /// The pair-order methods of one ISA on `src` (`4·LANES` elements of `T`): what
     /// [`Simd::load_pair_ptr`] loads, put back in lane order; the pair order of the
     /// same vectors loaded one by one; and the pair as stored by every pair store, in
-    /// a buffer aligned to a 64-byte line (`out[0]`) and half a line off (`out[1]`).
+    /// a buffer at a 64-byte line (`out[0]`) and, for 16-bit types, one vector past a
+    /// line (`out[1]`: the least alignment a pair stream allows, 16 bytes with AVX2 and
+    /// 32 with AVX-512, where the streams take their narrower stores).
     struct PairOrder<'a, T> {
         src: &'a [T],
         out: [&'a mut [T]; 2],
@@ -1366,17 +1368,19 @@ mod tests {
             // SAFETY: as above.
             let (u, v) = unsafe { s.load_pair_unordered_ptr(self.src.as_ptr()) };
             let [lined, half] = self.out;
-            // Half a line off only for 16-bit types: an f32 pair there is not aligned
-            // to the 64 bytes AVX-512 streams it with.
-            let half = (size_of::<T>() == 2).then_some((half, HALF_LINE));
+            // One vector off a line only for 16-bit types: an f32 pair there is not
+            // aligned to the two vectors a whole-line stream of it needs.
+            let half = (size_of::<T>() == 2).then_some((half, l));
             for (buf, at) in std::iter::once((lined, 0)).chain(half) {
                 let head = buf.as_ptr().align_offset(64) + at;
                 assert!(buf.len() >= head + 8 * l);
                 let p = buf[head..].as_mut_ptr();
-                // SAFETY: 8·l elements from `head` are in `buf` (asserted above); `p` is
-                // aligned to a line (`at` = 0), or for a 16-bit type to 32 bytes (`l`
-                // elements, what a pair stream needs); `stream_pair_cl_whole_ptr` runs
-                // only at a line.
+                // SAFETY: 8·l elements from `head` are in `buf` (asserted above). `p` is
+                // at a line, or (a 16-bit type) `l` elements past one: aligned to `l`
+                // elements, what every pair stream needs, and so is each pair `2·l` on.
+                // `stream_pair_cl_whole_ptr` runs only from a line, at `6·l` elements
+                // past it: a multiple of `2·l`, which `cl_stream_align` divides on
+                // every ISA.
                 unsafe {
                     s.store_pair_ptr(p, a, b);
                     s.stream_pair_ptr(p.add(2 * l), a, b);
@@ -1392,9 +1396,6 @@ mod tests {
             (bits([x, y]), bits([e, o]), bits([a, b]), bits([u, v]))
         }
     }
-
-    /// Half a 64-byte line of a 16-bit type, in elements.
-    const HALF_LINE: usize = 16;
 
     fn pair_order_of<T: Element<Stat = f32> + PartialEq + std::fmt::Debug>() {
         for isa in Target::all() {
@@ -1431,7 +1432,7 @@ mod tests {
                 "{isa} {:?}: load_pair_unordered",
                 T::DTYPE
             );
-            let half = (size_of::<T>() == 2).then_some((&half, HALF_LINE));
+            let half = (size_of::<T>() == 2).then_some((&half, l));
             for (buf, at) in std::iter::once((&lined, 0)).chain(half) {
                 let head = buf.as_ptr().align_offset(64) + at;
                 for (k, how) in ["store_pair", "stream_pair", "stream_pair_cl", "cl_whole"]
