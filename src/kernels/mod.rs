@@ -396,9 +396,13 @@ impl Geometry {
     /// AVX-512 / AVX2 (`scripts/ab.sh 7`, without and with): 64x1024x14x14 f32 1.45 /
     /// 1.53 -> 1.10 / 1.10, bf16 2.15 / 2.41 -> 1.55 / 1.84; 64x2048x7x7 f32 2.01 /
     /// 2.74 -> 2.04 / 2.04, bf16 3.70 / 5.56 -> 3.56 / 4.46; 16x1024x14x14 f32 (38 MB
-    /// with dx) 1.70 / 1.93 -> 1.29 / 1.17. Hinted in cache too, 16x256x14x14 f32 (9.6
-    /// MB) went 1.15 / 1.23 -> 1.33 / 1.43: hence the cache test. The bits do not
-    /// depend on it.
+    /// with dx) 1.70 / 1.93 -> 1.29 / 1.17. The second-order sums (`scripts/ab.sh 7`):
+    /// 64x1024x14x14 second-order training f32 1.98 / 2.29 -> 1.82 / 1.92, bf16 2.68 /
+    /// 3.10 -> 2.26 / 2.57, inference f32 1.73 / 1.97 -> 1.54 / 1.56; 16x1024x14x14 f32
+    /// training 2.02 / 2.36 -> 1.75 / 1.79; bf16 64x2048x7x7 training (98-byte rows)
+    /// 3.06 / 3.30 -> 3.19 / 3.59, the one cell higher. Hinted in cache too,
+    /// 16x256x14x14 f32 (9.6 MB) went 1.15 / 1.23 -> 1.33 / 1.43 in the inference
+    /// gradient: hence the cache test. The bits do not depend on it.
     pub(crate) fn hints_next_channel(&self, tensors: usize, size: usize) -> bool {
         !self.channels_last()
             && self.inner * size < STREAM_ROW_BYTES
