@@ -1411,6 +1411,9 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
 }
 
 impl<T: Element> InferenceRows<'_, T> {
+    /// The sums of each channel of the task, its `dx` written; with `HINT`, every
+    /// channel but the task's last hints the next one's rows (the last one's next
+    /// channel is another task's, perhaps on another core).
     #[inline(always)]
     fn channels<S: Simd<T::Stat>, const HINT: bool>(self, s: S) -> Vec<(f64, f64)> {
         let (g, mut rows) = (self.g, self.rows);
@@ -1423,19 +1426,35 @@ impl<T: Element> InferenceRows<'_, T> {
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
             let (m, k1) = (self.mean[c], self.k1[c]);
-            let range = t.o0..t.o1;
-            out.push(channel_rows_out::<_, _, _, _, HINT>(
-                s.plain_nans(&[&[k1]]),
-                g,
-                data,
-                m,
-                k1,
-                c,
-                range,
-                &mut rows,
-                self.stream,
-                &mut NoPace,
-            ));
+            let (w, range) = (s.plain_nans(&[&[k1]]), t.o0..t.o1);
+            let (rows, stream) = (&mut rows, self.stream);
+            out.push(if HINT && c + 1 < t.c1 {
+                channel_rows_out::<_, _, _, _, true>(
+                    w,
+                    g,
+                    data,
+                    m,
+                    k1,
+                    c,
+                    range,
+                    rows,
+                    stream,
+                    &mut NoPace,
+                )
+            } else {
+                channel_rows_out::<_, _, _, _, false>(
+                    w,
+                    g,
+                    data,
+                    m,
+                    k1,
+                    c,
+                    range,
+                    rows,
+                    stream,
+                    &mut NoPace,
+                )
+            });
         }
         if self.stream {
             s.fence();
@@ -1483,8 +1502,9 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const
             let mk = data.mask.map(|y| &y[off..][..tile.step]);
             let out = &mut rows.row(c, o0 + i)[at..][..tile.step];
             if HINT {
-                // Addresses only (a hint never faults): past the task's last channel
-                // they may lie outside the slices.
+                // Addresses only (a hint never faults, and `wrapping_add` makes no
+                // claim on the allocation): dx's next row always lies outside `out`
+                // (one row's slice), and the inputs' past the tensor's last channel.
                 let n = tile.step;
                 s.prefetch_lines(data.dy.as_ptr().wrapping_add(off + g.inner), n);
                 s.prefetch_lines(data.x.as_ptr().wrapping_add(off + g.inner), n);
@@ -2057,14 +2077,15 @@ mod tests {
 
     /// The inference gradient with the next channel's rows hinted (a walk taken only by
     /// tensors past the last-level cache, `Geometry::hints_next_channel`) gives the bits
-    /// of the walk without hints, in `dx` and in both sums: rows of 49 and 15 elements
-    /// (each row starting at another offset) and of one, 16x700x7x7 in four tasks of
-    /// 175 channels, with and without the ReLU mask, each dtype, every ISA. (Fails with
-    /// the hinted walk skipping channel 1's first row, tried.)
+    /// of the walk without hints, in `dx` and in both sums: rows of 49, 15 and 2
+    /// elements (each row starting at another offset), 16x700x7x7 in at least three
+    /// tasks (four of 175 channels on two threads), with and without the ReLU mask, each
+    /// dtype, every ISA. (Fails with the hinted walk skipping channel 1's first row,
+    /// tried.)
     #[test]
     fn hinted_inference_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [(16, 700, 49), (5, 64, 15), (3, 9, 1)] {
+            for (outer, channels, inner) in [(16, 700, 49), (5, 64, 15), (3, 9, 2)] {
                 let g = Geometry::new(outer, channels, inner);
                 let n = g.len();
                 let (dy, x, y) = (

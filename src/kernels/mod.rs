@@ -386,23 +386,21 @@ impl Geometry {
 
     /// Whether a channel-major pass that walks each channel's rows in turn (one row an
     /// outer index, a plane of the other channels apart) hints the same rows of the next
-    /// channel while it works on these ([`Simd::prefetch_lines`]): where the rows are
-    /// shorter than [`STREAM_ROW_BYTES`] and the pass's `tensors` tensors of elements of
-    /// `size` bytes do not fit the last-level cache together. No hardware prefetcher
-    /// follows a walk of a few lines a plane apart, so each row waited on its loads;
-    /// the same row of the next channel is the next `inner` elements of each tensor.
-    /// In cache the hints cost more than they save. Measured on a Zen 4 (AVX-512, 1
-    /// MiB L2 a core, 32 MiB L3, 2 threads), NCHW inference gradient, time ÷ copy,
-    /// AVX-512 / AVX2 (`scripts/ab.sh 7`, without and with): 64x1024x14x14 f32 1.45 /
-    /// 1.53 -> 1.10 / 1.10, bf16 2.15 / 2.41 -> 1.55 / 1.84; 64x2048x7x7 f32 2.01 /
-    /// 2.74 -> 2.04 / 2.04, bf16 3.70 / 5.56 -> 3.56 / 4.46; 16x1024x14x14 f32 (38 MB
-    /// with dx) 1.70 / 1.93 -> 1.29 / 1.17. The second-order sums (`scripts/ab.sh 7`):
-    /// 64x1024x14x14 second-order training f32 1.98 / 2.29 -> 1.82 / 1.92, bf16 2.68 /
-    /// 3.10 -> 2.26 / 2.57, inference f32 1.73 / 1.97 -> 1.54 / 1.56; 16x1024x14x14 f32
-    /// training 2.02 / 2.36 -> 1.75 / 1.79; bf16 64x2048x7x7 training (98-byte rows)
-    /// 3.06 / 3.30 -> 3.19 / 3.59, the one cell higher. Hinted in cache too,
-    /// 16x256x14x14 f32 (9.6 MB) went 1.15 / 1.23 -> 1.33 / 1.43 in the inference
-    /// gradient: hence the cache test. The bits do not depend on it.
+    /// channel of its task while it works on these ([`simd::Simd::prefetch_lines`]):
+    /// where the rows are shorter than [`STREAM_ROW_BYTES`] and the pass's `tensors`
+    /// tensors of elements of `size` bytes do not fit the last-level cache together. No
+    /// hardware prefetcher follows a walk of a few lines a plane apart, so each row
+    /// waited on its loads; the same row of the next channel is the next `inner`
+    /// elements of each tensor. Such rows are never streamed ([`Geometry::stream`]
+    /// needs rows of at least [`STREAM_ROW_BYTES`]), so a hinted output is one written
+    /// with ordinary stores. In cache the hints cost more than they save: a build that
+    /// hinted there too took NCHW 16x256x14x14 f32 (9.6 MB) from 1.15 / 1.23 to 1.33 /
+    /// 1.43 of a copy in the inference gradient (Zen 4, AVX-512 / AVX2), hence the cache
+    /// test. From DRAM, the figures of docs/performance.md (2026-12-06, seventh
+    /// session): e.g. the inference gradient of 64x1024x14x14 f32 1.52 / 1.59 -> 1.11 /
+    /// 1.12 and bf16 2.09 / 2.52 -> 1.55 / 1.86; but with AVX2 some 16-bit
+    /// second-order cells over 98-byte rows higher (f16 64x2048x7x7 training 3.24 ->
+    /// 3.49). The bits do not depend on it.
     pub(crate) fn hints_next_channel(&self, tensors: usize, size: usize) -> bool {
         !self.channels_last()
             && self.inner * size < STREAM_ROW_BYTES
