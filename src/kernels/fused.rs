@@ -1426,35 +1426,20 @@ impl<T: Element> InferenceRows<'_, T> {
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
             let (m, k1) = (self.mean[c], self.k1[c]);
-            let (w, range) = (s.plain_nans(&[&[k1]]), t.o0..t.o1);
-            let (rows, stream) = (&mut rows, self.stream);
-            out.push(if HINT && c + 1 < t.c1 {
-                channel_rows_out::<_, _, _, _, true>(
-                    w,
-                    g,
-                    data,
-                    m,
-                    k1,
-                    c,
-                    range,
-                    rows,
-                    stream,
-                    &mut NoPace,
-                )
-            } else {
-                channel_rows_out::<_, _, _, _, false>(
-                    w,
-                    g,
-                    data,
-                    m,
-                    k1,
-                    c,
-                    range,
-                    rows,
-                    stream,
-                    &mut NoPace,
-                )
-            });
+            // The task's last channel hints nothing: its next one is another task's.
+            let hint = HINT && c + 1 < t.c1;
+            out.push(channel_rows_out::<_, _, _, _, HINT>(
+                s.plain_nans(&[&[k1]]),
+                g,
+                data,
+                m,
+                k1,
+                c,
+                t.o0..t.o1,
+                &mut rows,
+                (self.stream, hint),
+                &mut NoPace,
+            ));
         }
         if self.stream {
             s.fence();
@@ -1468,8 +1453,9 @@ impl<T: Element> InferenceRows<'_, T> {
 /// flushed to `f64` after each tile of [`channel_tiles`] (whole rows of at most
 /// [`TILE`](super::TILE) elements, or equal pieces of a longer row), so no `f32` lane
 /// sums more than `TILE / LANES` values, whatever the shape. `dx` streamed when
-/// `stream`; with `HINT`, each row's inputs and output in the next channel (the next
-/// `inner` elements) prefetched while the row is worked on
+/// `stream`; where `HINT` (an instantiation of its own, so that the walk without hints
+/// tests no flag a row) and `hint`, each row's inputs and output in the next channel
+/// (the next `inner` elements) prefetched while the row is worked on
 /// ([`Geometry::hints_next_channel`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -1482,7 +1468,7 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const
     c: usize,
     range: std::ops::Range<usize>,
     rows: &mut TaskRows<'_, T>,
-    stream: bool,
+    (stream, hint): (bool, bool),
     pace: &mut P,
 ) -> (f64, f64) {
     let zero = s.splat(T::Stat::ZERO);
@@ -1501,7 +1487,7 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const
             let (d, x) = (&data.dy[off..][..tile.step], &data.x[off..][..tile.step]);
             let mk = data.mask.map(|y| &y[off..][..tile.step]);
             let out = &mut rows.row(c, o0 + i)[at..][..tile.step];
-            if HINT {
+            if HINT && hint {
                 // Addresses only (a hint never faults, and `wrapping_add` makes no
                 // claim on the allocation): dx's next row always lies outside `out`
                 // (one row's slice), and the inputs' past the tensor's last channel.
@@ -1718,7 +1704,18 @@ fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     let mut sums = InOrder(None);
     for r in RowChunks::all(g) {
         sums.add(
-            channel_rows_out::<_, _, _, _, false>(s, g, d, mean[c], one, c, r, sg, false, pace),
+            channel_rows_out::<_, _, _, _, false>(
+                s,
+                g,
+                d,
+                mean[c],
+                one,
+                c,
+                r,
+                sg,
+                (false, false),
+                pace,
+            ),
             add_sums,
         );
     }
