@@ -554,6 +554,21 @@ pub(crate) fn splat_n<U: Copy, S: Simd<U>, const N: usize>(s: S, v: [U; N]) -> [
     out
 }
 
+/// `[load(src[0][at..at + LANES]), …]`: one whole vector of each input.
+#[inline(always)]
+pub(crate) fn load_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
+    s: S,
+    src: &[&[T]; N],
+    at: usize,
+) -> [S::V; N] {
+    let l = S::LANES;
+    let mut out = [s.load(&src[0][at..at + l]); N];
+    for i in 1..N {
+        out[i] = s.load(&src[i][at..at + l]);
+    }
+    out
+}
+
 /// `[load_partial(src[0][at..at + len]), …]`.
 #[inline(always)]
 pub(crate) fn load_partial_n<U: Copy, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
