@@ -551,9 +551,10 @@ impl<T: Element> Kernel<T::Stat> for Apply<'_, T> {
                 }
                 if m > 0 && n >= l {
                     // The row's last whole vector, overlapping the one before, instead
-                    // of two masked stores (one a microcoded `vmaskmovps` each with AVX2
-                    // on AMD Zen 3, about 15 cycles): the common elements are written
-                    // twice with the same values (the same formula on the same inputs).
+                    // of two masked stores (3 to 5 times a plain store with AVX2 on AMD
+                    // Zen 3: `scripts/models/maskstore.c`): the common elements are
+                    // written twice with the same values (the same formula on the same
+                    // inputs).
                     let [g, x, a] = load_n(s, &ins, n - l);
                     let (vg, vx) = eval(s, g, x, a, &kv);
                     s.store(&mut dg[n - l..], vg);
