@@ -13,7 +13,9 @@
 
 use std::mem::size_of;
 
-use super::simd::{load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk};
+use super::simd::{
+    load_n, load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk,
+};
 use super::{for_each_row_chunk, next_cyclic, Geometry, MAX_PERIOD, STREAM_ROW_BYTES};
 use crate::element::{DType, Element, Real};
 
@@ -460,7 +462,7 @@ pub(crate) fn run_splat<U, S, T, F, const N: usize, const K: usize>(
             // store is needed (a 7×7 row with 16 lanes: three whole vectors, then
             // this one instead of a masked vector for the 49th element).
             let st = at + n - l;
-            let v = Reads::new(l, sub_n(&ins, st, None), l).load(s, 0);
+            let v = load_n(s, &ins, st);
             s.store(&mut out[st..], f.eval(s, v, k));
         } else {
             let v = f.eval(s, load_partial_n(s, &ins, at, n), k);
