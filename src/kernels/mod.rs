@@ -135,6 +135,16 @@ pub const RESIDENT_MIN_ROW_BYTES: usize = 512;
 /// faster streamed).
 pub const STREAM_ROW_BYTES: usize = 1024;
 
+/// Channel-major rows shorter than this many bytes take no hint of the next channel's
+/// rows (`Geometry::hints_next_channel`): a 16-bit 7x7 row (98 bytes) shares its
+/// lines with the next channel's, which the hardware already brings in. Measured on
+/// the AVX2-only Zen 3 (32 MiB L3, 2026-12-06, `scripts/ab.sh 5`, NCHW 64x2048x7x7,
+/// time ÷ copy, without and with the hints): every 16-bit cell higher with them
+/// (inference gradient bf16 3.67 -> 4.50, f16 3.31 -> 4.05; second-order inference
+/// 2.55 -> 3.76 and 2.18 -> 3.14, training 3.17 -> 4.47 and 3.05 -> 4.02), every f32
+/// cell (196-byte rows) lower (inference gradient 2.71 -> 1.62).
+pub const HINT_MIN_ROW_BYTES: usize = 128;
+
 /// How far ahead of its loads the channels-last statistics prefetch x when their
 /// accumulators live in memory (more channels than fit registers), and how far the
 /// 16-bit backward sums from DRAM prefetch dy and x (`backward::Quads::Prefetched`).
@@ -387,7 +397,8 @@ impl Geometry {
     /// Whether a channel-major pass that walks each channel's rows in turn (one row an
     /// outer index, a plane of the other channels apart) hints the same rows of the next
     /// channel of its task while it works on these ([`simd::Simd::prefetch_lines`]):
-    /// where the rows are shorter than [`STREAM_ROW_BYTES`] and the pass's `tensors`
+    /// where the rows are shorter than [`STREAM_ROW_BYTES`] (and at least
+    /// [`HINT_MIN_ROW_BYTES`]) and the pass's `tensors`
     /// tensors of elements of `size` bytes do not fit the last-level cache together. No
     /// hardware prefetcher follows a walk of a few lines a plane apart, so each row
     /// waited on its loads; the same row of the next channel is the next `inner`
@@ -403,7 +414,7 @@ impl Geometry {
     /// 3.49). The bits do not depend on it.
     pub(crate) fn hints_next_channel(&self, tensors: usize, size: usize) -> bool {
         !self.channels_last()
-            && self.inner * size < STREAM_ROW_BYTES
+            && (HINT_MIN_ROW_BYTES..STREAM_ROW_BYTES).contains(&(self.inner * size))
             && tensors * self.len() * size > llc_bytes()
     }
 
