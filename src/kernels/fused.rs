@@ -1342,13 +1342,36 @@ pub fn backward_inference<T: Element>(
         BackwardSums::total(c, partials)
     } else {
         // dy, x, the mask if any, and dx.
-        let hint = g.hints_next_channel(3 + usize::from(mask.is_some()), size_of::<T>());
-        inference_rows(g, isa, data, mean, k1, dx, hint)
+        let size = size_of::<T>();
+        let walk = if g.rows_in_image_order(size) {
+            RowOrder::Images
+        } else {
+            RowOrder::Channels {
+                hint: g.hints_next_channel(3 + usize::from(mask.is_some()), size),
+            }
+        };
+        inference_rows(g, isa, data, mean, k1, dx, walk)
     }
 }
 
-/// [`backward_inference`] of a channel-major tensor, with the next channel's rows
-/// hinted or not (`hint`: the tests run both on tensors of any size).
+/// The order in which a channel-major pass over one task's rows walks them. Either
+/// way each channel's rows are summed in the same lanes, in the same order, with the
+/// same tiles: the bits do not depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowOrder {
+    /// Channel by channel, each channel's rows a plane of the other channels apart;
+    /// with `hint`, the next channel's rows hinted while a channel is worked on
+    /// ([`Geometry::hints_next_channel`]).
+    Channels { hint: bool },
+    /// Image by image (outer index by outer index): the task's channels of one image
+    /// are contiguous, so the walk reads and writes each tensor in memory order, with
+    /// the channels' sums kept apart until their tile ends
+    /// ([`Geometry::rows_in_image_order`]).
+    Images,
+}
+
+/// [`backward_inference`] of a channel-major tensor, its rows walked in the order
+/// `walk` (the tests run every order on tensors of any size).
 fn inference_rows<T: Element>(
     g: &Geometry,
     isa: Isa,
@@ -1356,7 +1379,7 @@ fn inference_rows<T: Element>(
     mean: &[T::Stat],
     k1: &[T::Stat],
     dx: &mut [T],
-    hint: bool,
+    walk: RowOrder,
 ) -> BackwardSums {
     let GradData { dy, mask, x } = data;
     let split = ChannelMajorSplit::new(g);
@@ -1374,7 +1397,7 @@ fn inference_rows<T: Element>(
                 k1,
                 rows,
                 stream,
-                hint,
+                walk,
             },
         )
     });
@@ -1393,8 +1416,7 @@ struct InferenceRows<'a, T: Element> {
     k1: &'a [T::Stat],
     rows: TaskRows<'a, T>,
     stream: bool,
-    /// The next channel's rows hinted ([`Geometry::hints_next_channel`]).
-    hint: bool,
+    walk: RowOrder,
 }
 
 impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
@@ -1402,10 +1424,10 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
         // One instantiation each, so that a walk without hints tests no flag a row.
-        if self.hint {
-            self.channels::<S, true>(s)
-        } else {
-            self.channels::<S, false>(s)
+        match self.walk {
+            RowOrder::Channels { hint: true } => self.channels::<S, true>(s),
+            RowOrder::Channels { hint: false } => self.channels::<S, false>(s),
+            RowOrder::Images => self.images(s),
         }
     }
 }
@@ -1443,6 +1465,60 @@ impl<T: Element> InferenceRows<'_, T> {
         }
         if self.stream {
             s.fence();
+        }
+        out
+    }
+
+    /// The sums of each channel of the task, its `dx` written, image by image: at each
+    /// outer index the task's channels in turn, so that every tensor is walked in
+    /// memory order. Each channel's `f32` sums stay apart (in `acc`) until the end of
+    /// its tile, whose rows are the same for every channel (`channel_tiles` of rows
+    /// shorter than [`TILE`] depends on the rows alone); so each channel folds the
+    /// same rows into the same lanes in the same order as [`InferenceRows::channels`],
+    /// and adds the same tile sums in `f64`: the same bits. Only for rows that are not
+    /// streamed ([`Geometry::rows_in_image_order`]).
+    #[inline(always)]
+    fn images<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+        let (g, mut rows) = (self.g, self.rows);
+        let t = rows.task;
+        debug_assert!(!self.stream && g.inner < TILE);
+        let zero = s.splat(T::Stat::ZERO);
+        let mut acc: Scratch<(S::V, S::V), 64> = scratch((zero, zero), t.c1 - t.c0);
+        let mut out = vec![(0f64, 0f64); t.c1 - t.c0];
+        let stride = g.channels * g.inner;
+        let (inner, width) = (g.inner, (t.c1 - t.c0) * g.inner);
+        let (mean, k1) = (&self.mean[t.c0..t.c1], &self.k1[t.c0..t.c1]);
+        for tile in channel_tiles(g, t.c0, t.o0, t.o1) {
+            let o0 = (tile.start - t.c0 * inner) / stride;
+            for o in o0..o0 + tile.count {
+                // The task's channels of image `o`, one slice per tensor.
+                let at = o * stride + t.c0 * inner;
+                let (dy, x) = (&self.dy[at..][..width], &self.x[at..][..width]);
+                let mask = self.mask.map(|y| &y[at..][..width]);
+                let dx = rows.image(o);
+                for (j, dx) in dx.chunks_exact_mut(inner).enumerate() {
+                    let r = j * inner..(j + 1) * inner;
+                    let run = GradData {
+                        dy: &dy[r.clone()],
+                        mask: mask.map(|y| &y[r.clone()]),
+                        x: &x[r],
+                    };
+                    acc[j] = row_sums_out(
+                        s.plain_nans(&[&[k1[j]]]),
+                        run,
+                        s.splat(mean[j]),
+                        (dx, false),
+                        s.splat(k1[j]),
+                        acc[j],
+                        &mut NoPace,
+                    );
+                }
+            }
+            for (sums, a) in out.iter_mut().zip(acc.iter_mut()) {
+                sums.0 += s.sum_f64(a.0);
+                sums.1 += s.sum_f64(a.1);
+                *a = (zero, zero);
+            }
         }
         out
     }
@@ -2073,16 +2149,26 @@ mod tests {
     }
 
     /// The inference gradient with the next channel's rows hinted (a walk taken only by
-    /// tensors past the last-level cache, `Geometry::hints_next_channel`) gives the bits
-    /// of the walk without hints, in `dx` and in both sums: rows of 49, 15 and 2
-    /// elements (each row starting at another offset), 16x700x7x7 in at least three
-    /// tasks (four of 175 channels on two threads), with and without the ReLU mask, each
-    /// dtype, every ISA. (Fails with the hinted walk skipping channel 1's first row,
-    /// tried.)
+    /// tensors past the last-level cache, `Geometry::hints_next_channel`), and walked
+    /// image by image (`RowOrder::Images`), gives the bits of the channel-by-channel
+    /// walk without hints, in `dx` and in both sums: rows of 49, 15, 2 and 200 elements
+    /// (each row starting at another offset), 16x700x7x7 in at least three tasks (four
+    /// of 175 channels on two threads), channels of several tiles (3000 rows of 3, 90
+    /// of 200), channels split into row chunks of several tiles each (1400 rows of
+    /// 200), with and without the ReLU mask, each dtype, every ISA. (Fails with the
+    /// hinted walk skipping channel 1's first row, and with the image walk keeping its
+    /// sums from one tile to the next, tried.)
     #[test]
     fn hinted_inference_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [(16, 700, 49), (5, 64, 15), (3, 9, 2)] {
+            for (outer, channels, inner) in [
+                (16, 700, 49),
+                (5, 64, 15),
+                (3, 9, 2),
+                (3000, 3, 3),
+                (90, 5, 200),
+                (1400, 2, 200),
+            ] {
                 let g = Geometry::new(outer, channels, inner);
                 let n = g.len();
                 let (dy, x, y) = (
@@ -2095,20 +2181,25 @@ mod tests {
                 let k1: Vec<T::Stat> = (0..channels).map(|c| r(0.5 + 0.1 * c as f64)).collect();
                 for isa in Isa::supported() {
                     for mask in [None, Some(&y[..])] {
-                        let run = |hint| {
+                        let run = |walk| {
                             let data = GradData {
                                 dy: &dy,
                                 mask,
                                 x: &x,
                             };
                             let mut dx = vec![T::default(); n];
-                            let s = inference_rows(&g, isa, data, &mean, &k1, &mut dx, hint);
+                            let s = inference_rows(&g, isa, data, &mean, &k1, &mut dx, walk);
                             let sums = s.sum_dy.iter().chain(&s.sum_dy_xc).map(|v| v.to_bits());
                             (bits(&dx), sums.collect::<Vec<u64>>())
                         };
                         let what =
                             format!("{isa} {outer}x{channels}x{inner}, mask {}", mask.is_some());
-                        assert!(run(true) == run(false), "{what}");
+                        let plain = run(RowOrder::Channels { hint: false });
+                        assert!(
+                            run(RowOrder::Channels { hint: true }) == plain,
+                            "{what}: hinted"
+                        );
+                        assert!(run(RowOrder::Images) == plain, "{what}: image order");
                     }
                 }
             }

@@ -145,6 +145,11 @@ pub const STREAM_ROW_BYTES: usize = 1024;
 /// cell (196-byte rows) lower (inference gradient 2.71 -> 1.62).
 pub const HINT_MIN_ROW_BYTES: usize = 128;
 
+/// Channel-major rows shorter than this many bytes are walked image by image where a
+/// pass allows it ([`Geometry::rows_in_image_order`]). At most [`STREAM_ROW_BYTES`]:
+/// the image-order walks write with ordinary stores.
+pub const IMAGE_ORDER_ROW_BYTES: usize = STREAM_ROW_BYTES;
+
 /// How far ahead of its loads the channels-last statistics prefetch x when their
 /// accumulators live in memory (more channels than fit registers), and how far the
 /// 16-bit backward sums from DRAM prefetch dy and x (`backward::Quads::Prefetched`).
@@ -416,6 +421,13 @@ impl Geometry {
         !self.channels_last()
             && (HINT_MIN_ROW_BYTES..STREAM_ROW_BYTES).contains(&(self.inner * size))
             && tensors * self.len() * size > llc_bytes()
+    }
+
+    /// Whether a channel-major pass that walks one task's rows channel by channel may
+    /// walk them image by image instead, in memory order (`fused::RowOrder::Images`):
+    /// rows shorter than [`IMAGE_ORDER_ROW_BYTES`], which are never streamed.
+    pub(crate) fn rows_in_image_order(&self, size: usize) -> bool {
+        !self.channels_last() && self.inner * size < IMAGE_ORDER_ROW_BYTES
     }
 
     /// Whether the rows of this geometry are long enough to stream
@@ -802,6 +814,15 @@ impl<'a, T> TaskRows<'a, T> {
         let i = o - self.task.o0;
         let first = self.first_channel(i);
         &mut self.blocks[i][(c - first) * self.inner..][..self.inner]
+    }
+
+    /// The output rows of every channel of the task at outer index `o` (within the
+    /// task; none of them taken by [`TaskRows::take_row`]), contiguous.
+    #[inline(always)]
+    pub fn image(&mut self, o: usize) -> &mut [T] {
+        let block = &mut self.blocks[o - self.task.o0];
+        debug_assert_eq!(block.len(), (self.task.c1 - self.task.c0) * self.inner);
+        block
     }
 
     /// The output row of channel `c` at outer index `o`, taken out of the task's rows
