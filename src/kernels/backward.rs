@@ -12,7 +12,7 @@ use super::simd::{
 };
 use super::{
     channel_tiles, pixels_per_tile, scratch, short_period, ChannelMajorSplit, ChannelTask,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, PREFETCH_BYTES, STREAM_BYTES,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -191,6 +191,75 @@ pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: P
     (sdy, sdx)
 }
 
+/// `(Σdy, Σdy·(x − mean[c]))` of each channel `c` of task `t` of a channel-major split
+/// (rows shorter than [`TILE`](super::TILE)), walked image by image: at each outer
+/// index the task's channels in turn, so that every tensor is read (and `dx` written)
+/// in memory order. With `out`, `dx = dy·k1[c]` is written to its rows in the same read
+/// (the inference gradient), with ordinary stores.
+///
+/// Each channel's `f32` sums stay apart until the end of its tile, whose rows are the
+/// same for every channel ([`channel_tiles`] of rows shorter than a tile depends on the
+/// rows alone): each channel folds the same rows into the same lanes in the same order
+/// as the walk channel by channel ([`channel_rows_in`], `fused::channel_rows_out`),
+/// and adds the same tile sums in `f64`, so the bits are the same. Walked channel by
+/// channel, a channel's rows lie a plane of the other channels apart, a few cache lines
+/// each, which no hardware prefetcher follows (`Geometry::rows_in_image_order`).
+#[inline(always)]
+pub(crate) fn task_rows_by_image<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    g: &Geometry,
+    data: GradData<'_, T>,
+    mean: &[U],
+    t: ChannelTask,
+    mut out: Option<(&mut TaskRows<'_, T>, &[U])>,
+) -> Vec<(f64, f64)> {
+    let zero = s.splat(U::ZERO);
+    let channels = t.c1 - t.c0;
+    let mut acc: Scratch<(S::V, S::V), 64> = scratch((zero, zero), channels);
+    let mut sums = vec![(0f64, 0f64); channels];
+    let (inner, stride) = (g.inner, g.channels * g.inner);
+    let width = channels * inner;
+    let mean = &mean[t.c0..t.c1];
+    for tile in channel_tiles(g, t.c0, t.o0, t.o1) {
+        debug_assert!(tile.step == inner);
+        let o0 = (tile.start - t.c0 * inner) / stride;
+        for o in o0..o0 + tile.count {
+            // The task's channels of image `o`: one slice of each tensor.
+            let at = o * stride + t.c0 * inner;
+            let (dy, x) = (&data.dy[at..][..width], &data.x[at..][..width]);
+            let mask = data.mask.map(|y| &y[at..][..width]);
+            let mut dx = out
+                .as_mut()
+                .map(|(rows, k1)| (rows.image(o), &k1[t.c0..t.c1]));
+            for (j, a) in acc.iter_mut().enumerate() {
+                let r = j * inner..(j + 1) * inner;
+                let (d, x) = (&dy[r.clone()], &x[r.clone()]);
+                let m = s.splat(mean[j]);
+                *a = match (&mut dx, mask) {
+                    (Some((dx, k1)), mask) => {
+                        let run = GradData {
+                            dy: d,
+                            mask: mask.map(|y| &y[r.clone()]),
+                            x,
+                        };
+                        let (s, k1) = (s.plain_nans(&[&[k1[j]]]), s.splat(k1[j]));
+                        let dx = &mut dx[r];
+                        row_sums_out(s, run, m, (dx, false), k1, *a, &mut NoPace)
+                    }
+                    (None, None) => sums_run(s, [d, x], m, *a, &mut NoPace),
+                    (None, Some(y)) => sums_run(s, [d, x, &y[r]], m, *a, &mut NoPace),
+                };
+            }
+        }
+        for (sum, a) in sums.iter_mut().zip(acc.iter_mut()) {
+            sum.0 += s.sum_f64(a.0);
+            sum.1 += s.sum_f64(a.1);
+            *a = (zero, zero);
+        }
+    }
+    sums
+}
+
 /// The backward sums of each channel of one task of a channel-major split.
 struct TaskSums<'a, T: Element> {
     g: &'a Geometry,
@@ -206,6 +275,14 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
         let t = self.task;
+        if self.g.rows_in_image_order(std::mem::size_of::<T>()) {
+            let data = GradData {
+                dy: self.dy,
+                mask: self.mask,
+                x: self.x,
+            };
+            return task_rows_by_image(s, self.g, data, self.mean, t, None);
+        }
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
             let data = GradData {

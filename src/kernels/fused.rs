@@ -1469,58 +1469,21 @@ impl<T: Element> InferenceRows<'_, T> {
         out
     }
 
-    /// The sums of each channel of the task, its `dx` written, image by image: at each
-    /// outer index the task's channels in turn, so that every tensor is walked in
-    /// memory order. Each channel's `f32` sums stay apart (in `acc`) until the end of
-    /// its tile, whose rows are the same for every channel (`channel_tiles` of rows
-    /// shorter than [`TILE`] depends on the rows alone); so each channel folds the
-    /// same rows into the same lanes in the same order as [`InferenceRows::channels`],
-    /// and adds the same tile sums in `f64`: the same bits. Only for rows that are not
-    /// streamed ([`Geometry::rows_in_image_order`]).
+    /// The sums of each channel of the task, its `dx` written, image by image
+    /// ([`backward::task_rows_by_image`]): the same bits as
+    /// [`InferenceRows::channels`]. Only for rows that are not streamed
+    /// ([`Geometry::rows_in_image_order`]).
     #[inline(always)]
     fn images<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
-        let (g, mut rows) = (self.g, self.rows);
-        let t = rows.task;
-        debug_assert!(!self.stream && g.inner < TILE);
-        let zero = s.splat(T::Stat::ZERO);
-        let mut acc: Scratch<(S::V, S::V), 64> = scratch((zero, zero), t.c1 - t.c0);
-        let mut out = vec![(0f64, 0f64); t.c1 - t.c0];
-        let stride = g.channels * g.inner;
-        let (inner, width) = (g.inner, (t.c1 - t.c0) * g.inner);
-        let (mean, k1) = (&self.mean[t.c0..t.c1], &self.k1[t.c0..t.c1]);
-        for tile in channel_tiles(g, t.c0, t.o0, t.o1) {
-            let o0 = (tile.start - t.c0 * inner) / stride;
-            for o in o0..o0 + tile.count {
-                // The task's channels of image `o`, one slice per tensor.
-                let at = o * stride + t.c0 * inner;
-                let (dy, x) = (&self.dy[at..][..width], &self.x[at..][..width]);
-                let mask = self.mask.map(|y| &y[at..][..width]);
-                let dx = rows.image(o);
-                for (j, dx) in dx.chunks_exact_mut(inner).enumerate() {
-                    let r = j * inner..(j + 1) * inner;
-                    let run = GradData {
-                        dy: &dy[r.clone()],
-                        mask: mask.map(|y| &y[r.clone()]),
-                        x: &x[r],
-                    };
-                    acc[j] = row_sums_out(
-                        s.plain_nans(&[&[k1[j]]]),
-                        run,
-                        s.splat(mean[j]),
-                        (dx, false),
-                        s.splat(k1[j]),
-                        acc[j],
-                        &mut NoPace,
-                    );
-                }
-            }
-            for (sums, a) in out.iter_mut().zip(acc.iter_mut()) {
-                sums.0 += s.sum_f64(a.0);
-                sums.1 += s.sum_f64(a.1);
-                *a = (zero, zero);
-            }
-        }
-        out
+        debug_assert!(!self.stream);
+        let mut rows = self.rows;
+        let data = GradData {
+            dy: self.dy,
+            mask: self.mask,
+            x: self.x,
+        };
+        let task = rows.task;
+        backward::task_rows_by_image(s, self.g, data, self.mean, task, Some((&mut rows, self.k1)))
     }
 }
 
@@ -2200,6 +2163,110 @@ mod tests {
                             "{what}: hinted"
                         );
                         assert!(run(RowOrder::Images) == plain, "{what}: image order");
+                    }
+                }
+            }
+        }
+        check::<f32>();
+        check::<bf16>();
+        check::<half::f16>();
+    }
+
+    /// The backward sums of a task walked channel by channel
+    /// (`backward::channel_rows_in`, each channel's rows a plane apart).
+    struct ChannelWalk<'a, T: Element> {
+        g: &'a Geometry,
+        dy: &'a [T],
+        mask: Option<&'a [T]>,
+        x: &'a [T],
+        mean: &'a [T::Stat],
+        task: super::super::ChannelTask,
+    }
+
+    impl<T: Element> Kernel<T::Stat> for ChannelWalk<'_, T> {
+        type Output = Vec<(f64, f64)>;
+        fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
+            let t = self.task;
+            let mut out = Vec::new();
+            for c in t.c0..t.c1 {
+                let data = GradData {
+                    dy: self.dy,
+                    mask: self.mask,
+                    x: self.x,
+                };
+                let rows = t.o0..t.o1;
+                out.push(backward::channel_rows_in(
+                    s,
+                    self.g,
+                    data,
+                    self.mean[c],
+                    c,
+                    rows,
+                ));
+            }
+            out
+        }
+    }
+
+    /// The backward sums of a channel-major tensor with rows short enough to be walked
+    /// image by image (`backward::reduce`, `Geometry::rows_in_image_order`) have the
+    /// bits of the walk channel by channel, task by task, merged the same way: rows of
+    /// 49, 15, 2, 3 and 200 elements, tasks of several channels, channels of several
+    /// tiles, channels split into row chunks of several tiles (1400 rows of 200), with
+    /// and without the ReLU mask, a NaN in x, each dtype, every ISA. (Fails with the
+    /// image walk keeping its sums from one tile to the next, tried.)
+    #[test]
+    fn image_order_backward_sums_have_the_bits_of_the_channel_walk() {
+        fn check<T: Element>() {
+            for (outer, channels, inner) in [
+                (16, 700, 49),
+                (5, 64, 15),
+                (3, 9, 2),
+                (3000, 3, 3),
+                (90, 5, 200),
+                (1400, 2, 200),
+            ] {
+                let g = Geometry::new(outer, channels, inner);
+                assert!(g.rows_in_image_order(size_of::<T>()));
+                let n = g.len();
+                let (dy, mut x, y) = (
+                    data::<T>(n, 7, 0.0),
+                    data::<T>(n, 8, 3.0),
+                    data::<T>(n, 9, 0.0),
+                );
+                x[n / 2] = T::narrow(<T::Stat as Real>::from_f64(f64::NAN));
+                let r = |v: f64| <T::Stat as Real>::from_f64(v);
+                let mean: Vec<T::Stat> = (0..channels).map(|c| r(3.0 - 0.01 * c as f64)).collect();
+                for isa in Isa::supported() {
+                    for mask in [None, Some(&y[..])] {
+                        let data = GradData {
+                            dy: &dy,
+                            mask,
+                            x: &x,
+                        };
+                        let got = backward::reduce(&g, isa, data, &mean);
+                        let want = ChannelMajorSplit::new(&g).map_channels(
+                            &g,
+                            |task| {
+                                let walk = ChannelWalk {
+                                    g: &g,
+                                    dy: &dy,
+                                    mask,
+                                    x: &x,
+                                    mean: &mean,
+                                    task,
+                                };
+                                T::Stat::dispatch(isa, walk)
+                            },
+                            |a, b| (a.0 + b.0, a.1 + b.1),
+                        );
+                        let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let what =
+                            format!("{isa} {outer}x{channels}x{inner}, mask {}", mask.is_some());
+                        let want_dy: Vec<f64> = want.iter().map(|p| p.0).collect();
+                        let want_xc: Vec<f64> = want.iter().map(|p| p.1).collect();
+                        assert_eq!(bits(&got.sum_dy), bits(&want_dy), "{what}: sum dy");
+                        assert_eq!(bits(&got.sum_dy_xc), bits(&want_xc), "{what}: sum dy·xc");
                     }
                 }
             }
