@@ -31,8 +31,8 @@ use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, S
 use super::stats::{self, Moments};
 use super::{
     apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
-    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, Tile, RESIDENT_BYTES,
-    TILE,
+    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, RowOrder, Scratch, TaskRows, Tile,
+    RESIDENT_BYTES, TILE,
 };
 use crate::element::{Element, Real};
 
@@ -1352,22 +1352,6 @@ pub fn backward_inference<T: Element>(
         };
         inference_rows(g, isa, data, mean, k1, dx, walk)
     }
-}
-
-/// The order in which a channel-major pass over one task's rows walks them. Either
-/// way each channel's rows are summed in the same lanes, in the same order, with the
-/// same tiles: the bits do not depend on it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RowOrder {
-    /// Channel by channel, each channel's rows a plane of the other channels apart;
-    /// with `hint`, the next channel's rows hinted while a channel is worked on
-    /// ([`Geometry::hints_next_channel`]).
-    Channels { hint: bool },
-    /// Image by image (outer index by outer index): the task's channels of one image
-    /// are contiguous, so the walk reads and writes each tensor in memory order, with
-    /// the channels' sums kept apart until their tile ends
-    /// ([`Geometry::rows_in_image_order`]).
-    Images,
 }
 
 /// [`backward_inference`] of a channel-major tensor, its rows walked in the order

@@ -583,6 +583,22 @@ where
     }
 }
 
+/// The order in which a channel-major pass over one task's rows walks them. Either
+/// way each channel's rows are summed in the same lanes, in the same order, with the
+/// same tiles: the bits do not depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowOrder {
+    /// Channel by channel, each channel's rows a plane of the other channels apart;
+    /// with `hint`, the next channel's rows hinted while a channel is worked on
+    /// ([`Geometry::hints_next_channel`]).
+    Channels { hint: bool },
+    /// Image by image (outer index by outer index): the task's channels of one image
+    /// are contiguous, so the walk reads and writes each tensor in memory order, with
+    /// the channels' sums kept apart until their tile ends
+    /// ([`Geometry::rows_in_image_order`], `backward::task_rows_by_image`).
+    Images,
+}
+
 /// The fixed split of a channel-major pass into tasks of about [`TASK`] elements:
 /// a task covers channels `[c0, c1)` and outer rows `[o0, o1)` of each — either a
 /// group of whole small channels, or a chunk of the rows of one large channel.

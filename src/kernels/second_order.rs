@@ -16,7 +16,7 @@ use super::simd::{
 };
 use super::{
     channel_tiles, for_each_row_chunk_pair, next_cyclic, pixels_per_tile, scratch,
-    ChannelMajorSplit, ChannelTask, Geometry, PixelSplit, Scratch,
+    ChannelMajorSplit, ChannelTask, Geometry, PixelSplit, RowOrder, Scratch,
 };
 use crate::element::{Element, Real};
 
@@ -82,23 +82,25 @@ pub fn reduce<T: Element>(
     ins: [&[T]; 3],
     shifts: [&[T::Stat]; 3],
 ) -> Vec<SecondOrderSums> {
-    reduce_hinted(
-        geo,
-        isa,
-        ins,
-        shifts,
-        geo.hints_next_channel(3, size_of::<T>()),
-    )
+    let size = size_of::<T>();
+    let walk = if geo.rows_in_image_order(size) {
+        RowOrder::Images
+    } else {
+        RowOrder::Channels {
+            hint: geo.hints_next_channel(3, size),
+        }
+    };
+    reduce_in(geo, isa, ins, shifts, walk)
 }
 
-/// [`reduce`], a channel-major tensor's next channel's rows hinted or not (`hint`,
-/// see [`Geometry::hints_next_channel`]: the tests run both on tensors of any size).
-fn reduce_hinted<T: Element>(
+/// [`reduce`], a channel-major tensor's rows walked in the order `walk` (the tests run
+/// every order on tensors of any size).
+fn reduce_in<T: Element>(
     geo: &Geometry,
     isa: Isa,
     ins: [&[T]; 3],
     shifts: [&[T::Stat]; 3],
-    hint: bool,
+    walk: RowOrder,
 ) -> Vec<SecondOrderSums> {
     let [g, x, a] = ins;
     let c = geo.channels;
@@ -154,7 +156,7 @@ fn reduce_hinted<T: Element>(
                         ins: [g, x, a],
                         shifts,
                         task,
-                        hint,
+                        walk,
                     },
                 )
             },
@@ -183,8 +185,7 @@ struct TaskSums<'a, T: Element> {
     ins: [&'a [T]; 3],
     shifts: [&'a [T::Stat]; 3],
     task: ChannelTask,
-    /// The next channel's rows hinted ([`Geometry::hints_next_channel`]).
-    hint: bool,
+    walk: RowOrder,
 }
 
 impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
@@ -192,10 +193,10 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
         // One instantiation each, so that a walk without hints tests no flag a row.
-        if self.hint {
-            self.channels::<S, true>(s)
-        } else {
-            self.channels::<S, false>(s)
+        match self.walk {
+            RowOrder::Channels { hint: true } => self.channels::<S, true>(s),
+            RowOrder::Channels { hint: false } => self.channels::<S, false>(s),
+            RowOrder::Images => self.images(s),
         }
     }
 }
@@ -231,17 +232,7 @@ impl<T: Element> TaskSums<'_, T> {
                         }
                     }
                     let ins = window(self.ins, off, tile.step);
-                    let r = Reads::new(S::LANES, ins, tile.step);
-                    for j in 0..r.vectors() {
-                        let [g, x, a] = r.load(s, j);
-                        accumulate(s, g, x, a, &full, &mut acc);
-                    }
-                    let (at, n) = r.tail();
-                    if n > 0 {
-                        let [g, x, a] = load_partial_n(s, &ins, at, n);
-                        let k = load_partial_n(s, &[&rep[0][..], &rep[1][..], &rep[2][..]], 0, n);
-                        accumulate(s, g, x, a, &k, &mut acc);
-                    }
+                    row_sums(s, ins, &full, &rep, &mut acc);
                 }
                 for k in 0..6 {
                     total[k] += s.sum_f64(acc[k]);
@@ -250,6 +241,71 @@ impl<T: Element> TaskSums<'_, T> {
             out.push(total);
         }
         out
+    }
+
+    /// The six sums of each channel of the task, walked image by image: at each outer
+    /// index the task's channels in turn, every input read in memory order. Each
+    /// channel's `f32` sums stay apart until the end of its tile, whose rows are the
+    /// same for every channel (rows shorter than a tile): the same rows folded into the
+    /// same lanes in the same order as [`TaskSums::channels`], the same tile sums added
+    /// in `f64`, so the same bits. For rows of a few cache lines
+    /// ([`Geometry::rows_in_image_order`]), which walked channel by channel lie a plane
+    /// apart and wait on their loads.
+    #[inline(always)]
+    fn images<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
+        let (t, geo) = (self.task, self.geo);
+        let zero = s.splat(T::Stat::ZERO);
+        let channels = t.c1 - t.c0;
+        let mut acc: Scratch<[S::V; 6], 16> = scratch([zero; 6], channels);
+        let mut out = vec![[0f64; 6]; channels];
+        let (inner, stride) = (geo.inner, geo.channels * geo.inner);
+        for tile in channel_tiles(geo, t.c0, t.o0, t.o1) {
+            debug_assert!(tile.step == inner);
+            let o0 = (tile.start - t.c0 * inner) / stride;
+            for o in o0..o0 + tile.count {
+                // The task's channels of image `o`: one slice of each input.
+                let ins = window(self.ins, o * stride + t.c0 * inner, channels * inner);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let sh = [
+                        self.shifts[0][t.c0 + j],
+                        self.shifts[1][t.c0 + j],
+                        self.shifts[2][t.c0 + j],
+                    ];
+                    let rep = sh.map(|v| [v; MAX_LANES]);
+                    row_sums(s, window(ins, j * inner, inner), &splat_n(s, sh), &rep, acc);
+                }
+            }
+            for (total, acc) in out.iter_mut().zip(acc.iter_mut()) {
+                for k in 0..6 {
+                    total[k] += s.sum_f64(acc[k]);
+                }
+                *acc = [zero; 6];
+            }
+        }
+        out
+    }
+}
+
+/// Adds one row `ins = [g, x, a]` of a channel to its six sums `acc`, around the
+/// channel's shifts (`full`, and `rep` for a partial vector: its missing lanes 0 − 0).
+#[inline(always)]
+fn row_sums<U: Real, S: Simd<U>, T: Element<Stat = U>>(
+    s: S,
+    ins: [&[T]; 3],
+    full: &Shifts<S::V>,
+    rep: &[[U; MAX_LANES]; 3],
+    acc: &mut [S::V; 6],
+) {
+    let r = Reads::new(S::LANES, ins, ins[0].len());
+    for j in 0..r.vectors() {
+        let [g, x, a] = r.load(s, j);
+        accumulate(s, g, x, a, full, acc);
+    }
+    let (at, n) = r.tail();
+    if n > 0 {
+        let [g, x, a] = load_partial_n(s, &ins, at, n);
+        let k = load_partial_n(s, &[&rep[0][..], &rep[1][..], &rep[2][..]], 0, n);
+        accumulate(s, g, x, a, &k, acc);
     }
 }
 
@@ -625,7 +681,7 @@ fn whole_vectors<U: Real, S: Simd<U>, T: Element<Stat = U>, const SPLAT: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::{PixelSums, Six};
+    use super::{PixelSums, RowOrder, Six};
     use crate::element::{Element, Real};
     use crate::kernels::simd::{Dispatch, Isa};
     use crate::kernels::Geometry;
@@ -735,14 +791,25 @@ mod tests {
     }
 
     /// The channel-major sums with the next channel's rows hinted (a walk taken only by
-    /// tensors past the last-level cache, `Geometry::hints_next_channel`) give the bits
-    /// of the walk without hints: rows of 49 and 15 elements, 16x700x7x7 in at least
-    /// three tasks (four of 175 channels on two threads), each dtype, every ISA. (Fails
-    /// with the hinted walk skipping a row, tried.)
+    /// tensors past the last-level cache, `Geometry::hints_next_channel`), and those
+    /// walked image by image (`RowOrder::Images`), give the bits of the walk channel by
+    /// channel without hints: rows of 49, 15, 2, 3 and 200 elements, 16x700x7x7 in at
+    /// least three tasks (four of 175 channels on two threads), channels of several
+    /// tiles (3000 rows of 3, 90 of 200), channels split into row chunks of several
+    /// tiles (1400 rows of 200), each dtype, every ISA. (Fails with the hinted walk
+    /// skipping a row, and with the image walk keeping its sums from one tile to the
+    /// next, tried.)
     #[test]
     fn hinted_channel_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [(16, 700, 49), (5, 64, 15), (3, 9, 2)] {
+            for (outer, channels, inner) in [
+                (16, 700, 49),
+                (5, 64, 15),
+                (3, 9, 2),
+                (3000, 3, 3),
+                (90, 5, 200),
+                (1400, 2, 200),
+            ] {
                 let geo = Geometry::new(outer, channels, inner);
                 let make = |seed: usize| -> Vec<T> {
                     (0..geo.len())
@@ -760,15 +827,20 @@ mod tests {
                 };
                 let (m, kg, ka) = (shift(0), shift(1), shift(2));
                 for isa in Isa::supported() {
-                    let run = |hint: bool| -> Vec<u64> {
-                        let sums =
-                            super::reduce_hinted(&geo, isa, [&g, &x, &a], [&m, &kg, &ka], hint);
+                    let run = |walk| -> Vec<u64> {
+                        let sums = super::reduce_in(&geo, isa, [&g, &x, &a], [&m, &kg, &ka], walk);
                         sums.iter()
                             .flat_map(|s| [s.g, s.a, s.g_xc, s.a_xc, s.a_g, s.xc])
                             .map(f64::to_bits)
                             .collect()
                     };
-                    assert!(run(true) == run(false), "{isa} {outer}x{channels}x{inner}");
+                    let plain = run(RowOrder::Channels { hint: false });
+                    let what = format!("{isa} {outer}x{channels}x{inner}");
+                    assert!(
+                        run(RowOrder::Channels { hint: true }) == plain,
+                        "{what}: hinted"
+                    );
+                    assert!(run(RowOrder::Images) == plain, "{what}: image order");
                 }
             }
         }
