@@ -12,7 +12,8 @@ use super::simd::{
 };
 use super::{
     channel_tiles, pixels_per_tile, scratch, short_period, ChannelMajorSplit, ChannelTask,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, PREFETCH_BYTES, STREAM_BYTES,
+    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES,
+    STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -193,8 +194,8 @@ pub(crate) fn channel_rows_paced<U: Real, S: Simd<U>, T: Element<Stat = U>, P: P
 
 /// `(Σdy, Σdy·(x − mean[c]))` of each channel `c` of task `t` of a channel-major split
 /// (rows shorter than [`TILE`](super::TILE)), walked image by image: at each outer
-/// index the task's channels in turn, so that every tensor is read (and `dx` written)
-/// in memory order. With `out`, `dx = dy·k1[c]` is written to its rows in the same read
+/// index the task's channels in turn (in blocks of at most [`IMAGE_BLOCK_CHANNELS`]),
+/// so that every tensor is read (and `dx` written) in memory order. With `out`, `dx = dy·k1[c]` is written to its rows in the same read
 /// (the inference gradient), with ordinary stores.
 ///
 /// Each channel's `f32` sums stay apart until the end of its tile, whose rows are the
@@ -214,47 +215,53 @@ pub(crate) fn task_rows_by_image<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     mut out: Option<(&mut TaskRows<'_, T>, &[U])>,
 ) -> Vec<(f64, f64)> {
     let zero = s.splat(U::ZERO);
-    let channels = t.c1 - t.c0;
-    let mut acc: Scratch<(S::V, S::V), 64> = scratch((zero, zero), channels);
-    let mut sums = vec![(0f64, 0f64); channels];
+    let mut sums = vec![(0f64, 0f64); t.c1 - t.c0];
+    let mut acc: Scratch<(S::V, S::V), 64> =
+        scratch((zero, zero), IMAGE_BLOCK_CHANNELS.min(t.c1 - t.c0));
     let (inner, stride) = (g.inner, g.channels * g.inner);
-    let width = channels * inner;
-    let mean = &mean[t.c0..t.c1];
-    for tile in channel_tiles(g, t.c0, t.o0, t.o1) {
-        debug_assert!(tile.step == inner);
-        let o0 = (tile.start - t.c0 * inner) / stride;
-        for o in o0..o0 + tile.count {
-            // The task's channels of image `o`: one slice of each tensor.
-            let at = o * stride + t.c0 * inner;
-            let (dy, x) = (&data.dy[at..][..width], &data.x[at..][..width]);
-            let mask = data.mask.map(|y| &y[at..][..width]);
-            let mut dx = out
-                .as_mut()
-                .map(|(rows, k1)| (rows.image(o), &k1[t.c0..t.c1]));
-            for (j, a) in acc.iter_mut().enumerate() {
-                let r = j * inner..(j + 1) * inner;
-                let (d, x) = (&dy[r.clone()], &x[r.clone()]);
-                let m = s.splat(mean[j]);
-                *a = match (&mut dx, mask) {
-                    (Some((dx, k1)), mask) => {
-                        let run = GradData {
-                            dy: d,
-                            mask: mask.map(|y| &y[r.clone()]),
-                            x,
-                        };
-                        let (s, k1) = (s.plain_nans(&[&[k1[j]]]), s.splat(k1[j]));
-                        let dx = &mut dx[r];
-                        row_sums_out(s, run, m, (dx, false), k1, *a, &mut NoPace)
-                    }
-                    (None, None) => sums_run(s, [d, x], m, *a, &mut NoPace),
-                    (None, Some(y)) => sums_run(s, [d, x, &y[r]], m, *a, &mut NoPace),
-                };
+    // The task's channels in blocks, each walked image by image (see
+    // IMAGE_BLOCK_CHANNELS); `b` is the block's first channel within the task.
+    for b in (0..t.c1 - t.c0).step_by(IMAGE_BLOCK_CHANNELS) {
+        let (c0, c1) = (t.c0 + b, (t.c0 + b + IMAGE_BLOCK_CHANNELS).min(t.c1));
+        let width = (c1 - c0) * inner;
+        let mean = &mean[c0..c1];
+        let acc = &mut acc[..c1 - c0];
+        for tile in channel_tiles(g, c0, t.o0, t.o1) {
+            debug_assert!(tile.step == inner);
+            let o0 = (tile.start - c0 * inner) / stride;
+            for o in o0..o0 + tile.count {
+                // The block's channels of image `o`: one slice of each tensor.
+                let at = o * stride + c0 * inner;
+                let (dy, x) = (&data.dy[at..][..width], &data.x[at..][..width]);
+                let mask = data.mask.map(|y| &y[at..][..width]);
+                let mut dx = out
+                    .as_mut()
+                    .map(|(rows, k1)| (&mut rows.image(o)[b * inner..][..width], &k1[c0..c1]));
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let r = j * inner..(j + 1) * inner;
+                    let (d, x) = (&dy[r.clone()], &x[r.clone()]);
+                    let m = s.splat(mean[j]);
+                    *a = match (&mut dx, mask) {
+                        (Some((dx, k1)), mask) => {
+                            let run = GradData {
+                                dy: d,
+                                mask: mask.map(|y| &y[r.clone()]),
+                                x,
+                            };
+                            let (s, k1) = (s.plain_nans(&[&[k1[j]]]), s.splat(k1[j]));
+                            let dx = &mut dx[r];
+                            row_sums_out(s, run, m, (dx, false), k1, *a, &mut NoPace)
+                        }
+                        (None, None) => sums_run(s, [d, x], m, *a, &mut NoPace),
+                        (None, Some(y)) => sums_run(s, [d, x, &y[r]], m, *a, &mut NoPace),
+                    };
+                }
             }
-        }
-        for (sum, a) in sums.iter_mut().zip(acc.iter_mut()) {
-            sum.0 += s.sum_f64(a.0);
-            sum.1 += s.sum_f64(a.1);
-            *a = (zero, zero);
+            for (sum, a) in sums[b..].iter_mut().zip(acc.iter_mut()) {
+                sum.0 += s.sum_f64(a.0);
+                sum.1 += s.sum_f64(a.1);
+                *a = (zero, zero);
+            }
         }
     }
     sums

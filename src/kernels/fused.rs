@@ -2102,9 +2102,11 @@ mod tests {
     /// (each row starting at another offset), 16x700x7x7 in at least three tasks (four
     /// of 175 channels on two threads), channels of several tiles (3000 rows of 3, 90
     /// of 200), channels split into row chunks of several tiles each (1400 rows of
-    /// 200), with and without the ReLU mask, each dtype, every ISA. (Fails with the
-    /// hinted walk skipping channel 1's first row, and with the image walk keeping its
-    /// sums from one tile to the next, tried.)
+    /// 200), a task of more channels than an image-order block (1100 channels of 3:
+    /// `IMAGE_BLOCK_CHANNELS`), with and without the ReLU mask, each dtype, every ISA.
+    /// (Fails with the hinted walk skipping channel 1's first row, with the image walk
+    /// keeping its sums from one tile to the next, and with its blocks' `dx` all
+    /// written to the first block's rows, tried.)
     #[test]
     fn hinted_inference_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
@@ -2115,6 +2117,7 @@ mod tests {
                 (3000, 3, 3),
                 (90, 5, 200),
                 (1400, 2, 200),
+                (4, 1100, 3),
             ] {
                 let g = Geometry::new(outer, channels, inner);
                 let n = g.len();
@@ -2196,9 +2199,10 @@ mod tests {
     /// image by image (`backward::reduce`, `Geometry::rows_in_image_order`) have the
     /// bits of the walk channel by channel, task by task, merged the same way: rows of
     /// 49, 15, 2, 3 and 200 elements, tasks of several channels, channels of several
-    /// tiles, channels split into row chunks of several tiles (1400 rows of 200), with
-    /// and without the ReLU mask, a NaN in x, each dtype, every ISA. (Fails with the
-    /// image walk keeping its sums from one tile to the next, tried.)
+    /// tiles, channels split into row chunks of several tiles (1400 rows of 200), a
+    /// task of more channels than an image-order block (1100 channels of 3), with and
+    /// without the ReLU mask, a NaN in x, each dtype, every ISA. (Fails with the image
+    /// walk keeping its sums from one tile to the next, tried.)
     #[test]
     fn image_order_backward_sums_have_the_bits_of_the_channel_walk() {
         fn check<T: Element>() {
@@ -2209,6 +2213,7 @@ mod tests {
                 (3000, 3, 3),
                 (90, 5, 200),
                 (1400, 2, 200),
+                (4, 1100, 3),
             ] {
                 let g = Geometry::new(outer, channels, inner);
                 assert!(g.rows_in_image_order(size_of::<T>()));

@@ -155,6 +155,17 @@ pub const HINT_MIN_ROW_BYTES: usize = 128;
 /// 1.74 (CHANGELOG.md).
 pub const IMAGE_ORDER_ROW_BYTES: usize = STREAM_ROW_BYTES;
 
+/// The most channels an image-order walk ([`RowOrder::Images`]) keeps sums for at a
+/// time: a task's channels are walked in blocks of this many, each block image by
+/// image. It bounds the walk's scratch (six vectors a channel for the second-order
+/// sums: 48 KiB with AVX2, within an L2) whatever the task's channel count, which rows
+/// of a few elements make large (NCHW 1x131072x1x2 is one task of 131,072 channels).
+/// A block of 7x7 16-bit rows is 25 KB of each tensor an image, contiguous.
+pub const IMAGE_BLOCK_CHANNELS: usize = 256;
+
+// The image-order walks write with ordinary stores: only rows that are never streamed.
+const _: () = assert!(IMAGE_ORDER_ROW_BYTES <= STREAM_ROW_BYTES);
+
 /// How far ahead of its loads the channels-last statistics prefetch x when their
 /// accumulators live in memory (more channels than fit registers), and how far the
 /// 16-bit backward sums from DRAM prefetch dy and x (`backward::Quads::Prefetched`).
@@ -435,10 +446,11 @@ impl Geometry {
     }
 
     /// Whether a channel-major pass that walks one task's rows channel by channel may
-    /// walk them image by image instead, in memory order (`fused::RowOrder::Images`):
-    /// rows shorter than [`IMAGE_ORDER_ROW_BYTES`], which are never streamed.
+    /// walk them image by image instead, in memory order ([`RowOrder::Images`]): rows
+    /// shorter than [`IMAGE_ORDER_ROW_BYTES`], which are never streamed, of more than
+    /// one image (with one, the walk by channel is already in memory order).
     pub(crate) fn rows_in_image_order(&self, size: usize) -> bool {
-        !self.channels_last() && self.inner * size < IMAGE_ORDER_ROW_BYTES
+        !self.channels_last() && self.outer > 1 && self.inner * size < IMAGE_ORDER_ROW_BYTES
     }
 
     /// Whether the rows of this geometry are long enough to stream

@@ -16,7 +16,7 @@ use super::simd::{
 };
 use super::{
     channel_tiles, for_each_row_chunk_pair, next_cyclic, pixels_per_tile, scratch,
-    ChannelMajorSplit, ChannelTask, Geometry, PixelSplit, RowOrder, Scratch,
+    ChannelMajorSplit, ChannelTask, Geometry, PixelSplit, RowOrder, Scratch, IMAGE_BLOCK_CHANNELS,
 };
 use crate::element::{Element, Real};
 
@@ -244,7 +244,8 @@ impl<T: Element> TaskSums<'_, T> {
     }
 
     /// The six sums of each channel of the task, walked image by image: at each outer
-    /// index the task's channels in turn, every input read in memory order. Each
+    /// index the task's channels in turn (in blocks of at most
+    /// [`IMAGE_BLOCK_CHANNELS`]), every input read in memory order. Each
     /// channel's `f32` sums stay apart until the end of its tile, whose rows are the
     /// same for every channel (rows shorter than a tile): the same rows folded into the
     /// same lanes in the same order as [`TaskSums::channels`], the same tile sums added
@@ -255,31 +256,34 @@ impl<T: Element> TaskSums<'_, T> {
     fn images<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
         let (t, geo) = (self.task, self.geo);
         let zero = s.splat(T::Stat::ZERO);
-        let channels = t.c1 - t.c0;
-        let mut acc: Scratch<[S::V; 6], 16> = scratch([zero; 6], channels);
-        let mut out = vec![[0f64; 6]; channels];
+        let mut out = vec![[0f64; 6]; t.c1 - t.c0];
+        let mut acc: Scratch<[S::V; 6], 16> =
+            scratch([zero; 6], IMAGE_BLOCK_CHANNELS.min(t.c1 - t.c0));
         let (inner, stride) = (geo.inner, geo.channels * geo.inner);
-        for tile in channel_tiles(geo, t.c0, t.o0, t.o1) {
-            debug_assert!(tile.step == inner);
-            let o0 = (tile.start - t.c0 * inner) / stride;
-            for o in o0..o0 + tile.count {
-                // The task's channels of image `o`: one slice of each input.
-                let ins = window(self.ins, o * stride + t.c0 * inner, channels * inner);
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let sh = [
-                        self.shifts[0][t.c0 + j],
-                        self.shifts[1][t.c0 + j],
-                        self.shifts[2][t.c0 + j],
-                    ];
-                    let rep = sh.map(|v| [v; MAX_LANES]);
-                    row_sums(s, window(ins, j * inner, inner), &splat_n(s, sh), &rep, acc);
+        // The task's channels in blocks (IMAGE_BLOCK_CHANNELS), each walked image by
+        // image; `b` is the block's first channel within the task.
+        for b in (0..t.c1 - t.c0).step_by(IMAGE_BLOCK_CHANNELS) {
+            let (c0, c1) = (t.c0 + b, (t.c0 + b + IMAGE_BLOCK_CHANNELS).min(t.c1));
+            let acc = &mut acc[..c1 - c0];
+            for tile in channel_tiles(geo, c0, t.o0, t.o1) {
+                debug_assert!(tile.step == inner);
+                let o0 = (tile.start - c0 * inner) / stride;
+                for o in o0..o0 + tile.count {
+                    // The block's channels of image `o`: one slice of each input.
+                    let ins = window(self.ins, o * stride + c0 * inner, (c1 - c0) * inner);
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        let c = c0 + j;
+                        let sh = [self.shifts[0][c], self.shifts[1][c], self.shifts[2][c]];
+                        let rep = sh.map(|v| [v; MAX_LANES]);
+                        row_sums(s, window(ins, j * inner, inner), &splat_n(s, sh), &rep, acc);
+                    }
                 }
-            }
-            for (total, acc) in out.iter_mut().zip(acc.iter_mut()) {
-                for k in 0..6 {
-                    total[k] += s.sum_f64(acc[k]);
+                for (total, acc) in out[b..].iter_mut().zip(acc.iter_mut()) {
+                    for k in 0..6 {
+                        total[k] += s.sum_f64(acc[k]);
+                    }
+                    *acc = [zero; 6];
                 }
-                *acc = [zero; 6];
             }
         }
         out
@@ -796,7 +800,8 @@ mod tests {
     /// channel without hints: rows of 49, 15, 2, 3 and 200 elements, 16x700x7x7 in at
     /// least three tasks (four of 175 channels on two threads), channels of several
     /// tiles (3000 rows of 3, 90 of 200), channels split into row chunks of several
-    /// tiles (1400 rows of 200), each dtype, every ISA. (Fails with the hinted walk
+    /// tiles (1400 rows of 200), a task of more channels than an image-order block
+    /// (1100 channels of 3: `IMAGE_BLOCK_CHANNELS`), each dtype, every ISA. (Fails with the hinted walk
     /// skipping a row, and with the image walk keeping its sums from one tile to the
     /// next, tried.)
     #[test]
@@ -809,6 +814,7 @@ mod tests {
                 (3000, 3, 3),
                 (90, 5, 200),
                 (1400, 2, 200),
+                (4, 1100, 3),
             ] {
                 let geo = Geometry::new(outer, channels, inner);
                 let make = |seed: usize| -> Vec<T> {
