@@ -434,11 +434,11 @@ impl Geometry {
     /// second-order cells over 98-byte rows higher (f16 64x2048x7x7 training 3.24 ->
     /// 3.49). The bits do not depend on it.
     ///
-    /// No pass takes the hints now: every row they are for (under [`STREAM_ROW_BYTES`])
-    /// is walked image by image instead ([`Geometry::rows_in_image_order`],
-    /// [`IMAGE_ORDER_ROW_BYTES`]), which was faster from DRAM as well (64x2048x7x7 bf16
-    /// inference gradient 3.18 -> 1.74 of a copy on the Zen 3). The hinted walk remains
-    /// behind `RowOrder::Channels { hint: true }`, which the tests compare.
+    /// Only tensors of one image take the hints now: the rows they are for (under
+    /// [`STREAM_ROW_BYTES`]) are otherwise walked image by image
+    /// ([`Geometry::rows_in_image_order`], [`IMAGE_ORDER_ROW_BYTES`]), which was faster
+    /// from DRAM as well (64x2048x7x7 bf16 inference gradient 3.18 -> 1.74 of a copy on
+    /// the Zen 3).
     pub(crate) fn hints_next_channel(&self, tensors: usize, size: usize) -> bool {
         !self.channels_last()
             && (HINT_MIN_ROW_BYTES..STREAM_ROW_BYTES).contains(&(self.inner * size))
