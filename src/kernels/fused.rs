@@ -1341,6 +1341,11 @@ pub fn backward_inference<T: Element>(
         });
         BackwardSums::total(c, partials)
     } else {
+        if g.is_empty() {
+            // Nothing to walk (and rows of no elements have no plane to find an image
+            // by: `channel_rows_out` divides by it).
+            return BackwardSums::zeros(c);
+        }
         // dy, x, the mask if any, and dx.
         let size = size_of::<T>();
         let walk = if g.rows_in_image_order(size) {
@@ -2263,5 +2268,30 @@ mod tests {
         check::<f32>();
         check::<bf16>();
         check::<half::f16>();
+    }
+
+    /// Channel-major tensors of several images with empty rows (`inner` = 0, the
+    /// image walk's plane zero): every reduction that can walk by image returns zero
+    /// sums and no panic, on every ISA.
+    #[test]
+    fn empty_rows_of_several_images_reduce_to_zeros() {
+        let g = Geometry::new(3, 5, 0);
+        let zeros = [0f32; 5];
+        for isa in Isa::supported() {
+            let none: &[f32] = &[];
+            let data = || GradData {
+                dy: none,
+                mask: None,
+                x: none,
+            };
+            let sums = backward::reduce(&g, isa, data(), &zeros);
+            assert_eq!((sums.sum_dy, sums.sum_dy_xc), (vec![0.0; 5], vec![0.0; 5]));
+            let sums = backward_inference(&g, isa, data(), &zeros, &[1.0; 5], &mut []);
+            assert_eq!((sums.sum_dy, sums.sum_dy_xc), (vec![0.0; 5], vec![0.0; 5]));
+            let sums = super::super::second_order::reduce(&g, isa, [none; 3], [&zeros; 3]);
+            assert!(sums
+                .iter()
+                .all(|s| [s.g, s.a, s.g_xc, s.a_xc, s.a_g, s.xc] == [0.0; 6]));
+        }
     }
 }

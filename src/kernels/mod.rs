@@ -448,9 +448,12 @@ impl Geometry {
     /// Whether a channel-major pass that walks one task's rows channel by channel may
     /// walk them image by image instead, in memory order ([`RowOrder::Images`]): rows
     /// shorter than [`IMAGE_ORDER_ROW_BYTES`], which are never streamed, of more than
-    /// one image (with one, the walk by channel is already in memory order).
+    /// one image (with one, the walk by channel is already in memory order); not empty
+    /// rows (the walk finds an image's index by dividing by the plane).
     pub(crate) fn rows_in_image_order(&self, size: usize) -> bool {
-        !self.channels_last() && self.outer > 1 && self.inner * size < IMAGE_ORDER_ROW_BYTES
+        !self.channels_last()
+            && self.outer > 1
+            && (1..IMAGE_ORDER_ROW_BYTES).contains(&(self.inner * size))
     }
 
     /// Whether the rows of this geometry are long enough to stream
