@@ -2115,15 +2115,7 @@ mod tests {
     #[test]
     fn hinted_inference_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [
-                (16, 700, 49),
-                (5, 64, 15),
-                (3, 9, 2),
-                (3000, 3, 3),
-                (90, 5, 200),
-                (1400, 2, 200),
-                (4, 1100, 3),
-            ] {
+            for (outer, channels, inner) in super::super::IMAGE_WALK_GEOMETRIES {
                 let g = Geometry::new(outer, channels, inner);
                 let n = g.len();
                 let (dy, x, y) = (
@@ -2211,15 +2203,7 @@ mod tests {
     #[test]
     fn image_order_backward_sums_have_the_bits_of_the_channel_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [
-                (16, 700, 49),
-                (5, 64, 15),
-                (3, 9, 2),
-                (3000, 3, 3),
-                (90, 5, 200),
-                (1400, 2, 200),
-                (4, 1100, 3),
-            ] {
+            for (outer, channels, inner) in super::super::IMAGE_WALK_GEOMETRIES {
                 let g = Geometry::new(outer, channels, inner);
                 assert!(g.rows_in_image_order(size_of::<T>()));
                 let n = g.len();

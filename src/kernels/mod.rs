@@ -625,6 +625,22 @@ pub(crate) enum RowOrder {
     Images,
 }
 
+/// The `(outer, channels, inner)` geometries the tests of the image-order walks run
+/// ([`RowOrder::Images`] against the channel walk): rows of 49, 15, 2, 3 and 200
+/// elements, 16x700x7x7 in several tasks, channels of several tiles (3000 rows of 3,
+/// 90 of 200), channels split into row chunks of several tiles (1400 rows of 200),
+/// and a task of more channels than a block (1100 channels: [`IMAGE_BLOCK_CHANNELS`]).
+#[cfg(test)]
+pub(crate) const IMAGE_WALK_GEOMETRIES: [(usize, usize, usize); 7] = [
+    (16, 700, 49),
+    (5, 64, 15),
+    (3, 9, 2),
+    (3000, 3, 3),
+    (90, 5, 200),
+    (1400, 2, 200),
+    (4, 1100, 3),
+];
+
 /// The fixed split of a channel-major pass into tasks of about [`TASK`] elements:
 /// a task covers channels `[c0, c1)` and outer rows `[o0, o1)` of each — either a
 /// group of whole small channels, or a chunk of the rows of one large channel.

@@ -818,15 +818,7 @@ mod tests {
     #[test]
     fn hinted_channel_rows_have_the_bits_of_the_plain_walk() {
         fn check<T: Element>() {
-            for (outer, channels, inner) in [
-                (16, 700, 49),
-                (5, 64, 15),
-                (3, 9, 2),
-                (3000, 3, 3),
-                (90, 5, 200),
-                (1400, 2, 200),
-                (4, 1100, 3),
-            ] {
+            for (outer, channels, inner) in super::super::IMAGE_WALK_GEOMETRIES {
                 let geo = Geometry::new(outer, channels, inner);
                 let make = |seed: usize| -> Vec<T> {
                     (0..geo.len())
