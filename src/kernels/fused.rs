@@ -1351,9 +1351,7 @@ pub fn backward_inference<T: Element>(
         let walk = if g.rows_in_image_order(size) {
             RowOrder::Images
         } else {
-            RowOrder::Channels {
-                hint: g.hints_next_channel(3 + usize::from(mask.is_some()), size),
-            }
+            RowOrder::Channels
         };
         inference_rows(g, isa, data, mean, k1, dx, walk)
     }
@@ -1412,21 +1410,17 @@ impl<T: Element> Kernel<T::Stat> for InferenceRows<'_, T> {
     type Output = Vec<(f64, f64)>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
-        // One instantiation each, so that a walk without hints tests no flag a row.
         match self.walk {
-            RowOrder::Channels { hint: true } => self.channels::<S, true>(s),
-            RowOrder::Channels { hint: false } => self.channels::<S, false>(s),
+            RowOrder::Channels => self.channels(s),
             RowOrder::Images => self.images(s),
         }
     }
 }
 
 impl<T: Element> InferenceRows<'_, T> {
-    /// The sums of each channel of the task, its `dx` written; with `HINT`, every
-    /// channel but the task's last hints the next one's rows (the last one's next
-    /// channel is another task's, perhaps on another core).
+    /// The sums of each channel of the task, its `dx` written, channel by channel.
     #[inline(always)]
-    fn channels<S: Simd<T::Stat>, const HINT: bool>(self, s: S) -> Vec<(f64, f64)> {
+    fn channels<S: Simd<T::Stat>>(self, s: S) -> Vec<(f64, f64)> {
         let (g, mut rows) = (self.g, self.rows);
         let t = rows.task;
         let data = GradData {
@@ -1437,9 +1431,7 @@ impl<T: Element> InferenceRows<'_, T> {
         let mut out = Vec::with_capacity(t.c1 - t.c0);
         for c in t.c0..t.c1 {
             let (m, k1) = (self.mean[c], self.k1[c]);
-            // The task's last channel hints nothing: its next one is another task's.
-            let hint = HINT && c + 1 < t.c1;
-            out.push(channel_rows_out::<_, _, _, _, HINT>(
+            out.push(channel_rows_out(
                 s.plain_nans(&[&[k1]]),
                 g,
                 data,
@@ -1448,7 +1440,7 @@ impl<T: Element> InferenceRows<'_, T> {
                 c,
                 t.o0..t.o1,
                 &mut rows,
-                (self.stream, hint),
+                self.stream,
                 &mut NoPace,
             ));
         }
@@ -1481,13 +1473,10 @@ impl<T: Element> InferenceRows<'_, T> {
 /// flushed to `f64` after each tile of [`channel_tiles`] (whole rows of at most
 /// [`TILE`](super::TILE) elements, or equal pieces of a longer row), so no `f32` lane
 /// sums more than `TILE / LANES` values, whatever the shape. `dx` streamed when
-/// `stream`; where `HINT` (an instantiation of its own, so that the walk without hints
-/// tests no flag a row) and `hint`, each row's inputs and output in the next channel
-/// (the next `inner` elements) prefetched while the row is worked on
-/// ([`Geometry::hints_next_channel`]).
+/// `stream`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const HINT: bool>(
+fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
     g: &Geometry,
     data: GradData<'_, T>,
@@ -1496,7 +1485,7 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const
     c: usize,
     range: std::ops::Range<usize>,
     rows: &mut TaskRows<'_, T>,
-    (stream, hint): (bool, bool),
+    stream: bool,
     pace: &mut P,
 ) -> (f64, f64) {
     let zero = s.splat(T::Stat::ZERO);
@@ -1515,18 +1504,6 @@ fn channel_rows_out<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>, const
             let (d, x) = (&data.dy[off..][..tile.step], &data.x[off..][..tile.step]);
             let mk = data.mask.map(|y| &y[off..][..tile.step]);
             let out = &mut rows.row(c, o0 + i)[at..][..tile.step];
-            if HINT && hint {
-                // Addresses only (a hint never faults, and `wrapping_add` makes no
-                // claim on the allocation): dx's next row always lies outside `out`
-                // (one row's slice), and the inputs' past the tensor's last channel.
-                let n = tile.step;
-                s.prefetch_lines(data.dy.as_ptr().wrapping_add(off + g.inner), n);
-                s.prefetch_lines(data.x.as_ptr().wrapping_add(off + g.inner), n);
-                if let Some(y) = data.mask {
-                    s.prefetch_lines(y.as_ptr().wrapping_add(off + g.inner), n);
-                }
-                s.prefetch_lines(out.as_ptr().wrapping_add(g.inner), n);
-            }
             let run = GradData { dy: d, mask: mk, x };
             acc = row_sums_out(s, run, m, (out, stream), k1, acc, pace);
         }
@@ -1732,18 +1709,7 @@ fn side_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     let mut sums = InOrder(None);
     for r in RowChunks::all(g) {
         sums.add(
-            channel_rows_out::<_, _, _, _, false>(
-                s,
-                g,
-                d,
-                mean[c],
-                one,
-                c,
-                r,
-                sg,
-                (false, false),
-                pace,
-            ),
+            channel_rows_out(s, g, d, mean[c], one, c, r, sg, false, pace),
             add_sums,
         );
     }
@@ -2100,20 +2066,17 @@ mod tests {
         }
     }
 
-    /// The inference gradient with the next channel's rows hinted (a walk taken only by
-    /// tensors past the last-level cache, `Geometry::hints_next_channel`), and walked
-    /// image by image (`RowOrder::Images`), gives the bits of the channel-by-channel
-    /// walk without hints, in `dx` and in both sums: rows of 49, 15, 2 and 200 elements
+    /// The inference gradient walked image by image (`RowOrder::Images`) gives the bits
+    /// of the channel-by-channel walk, in `dx` and in both sums: rows of 49, 15, 2 and 200 elements
     /// (each row starting at another offset), 16x700x7x7 in at least three tasks (four
     /// of 175 channels on two threads), channels of several tiles (3000 rows of 3, 90
     /// of 200), channels split into row chunks of several tiles each (1400 rows of
     /// 200), a task of more channels than an image-order block (1100 channels of 3:
     /// `IMAGE_BLOCK_CHANNELS`), with and without the ReLU mask, each dtype, every ISA.
-    /// (Fails with the hinted walk skipping channel 1's first row, with the image walk
-    /// keeping its sums from one tile to the next, and with its blocks' `dx` all
-    /// written to the first block's rows, tried.)
+    /// (Fails with the image walk keeping its sums from one tile to the next, and with
+    /// its blocks' `dx` all written to the first block's rows, tried.)
     #[test]
-    fn hinted_inference_rows_have_the_bits_of_the_plain_walk() {
+    fn image_order_inference_rows_have_the_bits_of_the_channel_walk() {
         fn check<T: Element>() {
             for (outer, channels, inner) in super::super::IMAGE_WALK_GEOMETRIES {
                 let g = Geometry::new(outer, channels, inner);
@@ -2141,11 +2104,7 @@ mod tests {
                         };
                         let what =
                             format!("{isa} {outer}x{channels}x{inner}, mask {}", mask.is_some());
-                        let plain = run(RowOrder::Channels { hint: false });
-                        assert!(
-                            run(RowOrder::Channels { hint: true }) == plain,
-                            "{what}: hinted"
-                        );
+                        let plain = run(RowOrder::Channels);
                         assert!(run(RowOrder::Images) == plain, "{what}: image order");
                     }
                 }

@@ -135,16 +135,6 @@ pub const RESIDENT_MIN_ROW_BYTES: usize = 512;
 /// faster streamed).
 pub const STREAM_ROW_BYTES: usize = 1024;
 
-/// Channel-major rows shorter than this many bytes take no hint of the next channel's
-/// rows (`Geometry::hints_next_channel`): a 16-bit 7x7 row (98 bytes) shares its
-/// lines with the next channel's, which the hardware already brings in. Measured on
-/// the AVX2-only Zen 3 (32 MiB L3, 2026-12-06, `scripts/ab.sh 5`, NCHW 64x2048x7x7,
-/// time ÷ copy, without and with the hints): every 16-bit cell higher with them
-/// (inference gradient bf16 3.67 -> 4.50, f16 3.31 -> 4.05; second-order inference
-/// 2.55 -> 3.76 and 2.18 -> 3.14, training 3.17 -> 4.47 and 3.05 -> 4.02), every f32
-/// cell (196-byte rows) lower (inference gradient 2.71 -> 1.62).
-pub const HINT_MIN_ROW_BYTES: usize = 128;
-
 /// Channel-major rows shorter than this many bytes are walked image by image where a
 /// pass allows it ([`Geometry::rows_in_image_order`]): the inference gradient, the
 /// training gradient's sums and the second-order sums. At most [`STREAM_ROW_BYTES`]:
@@ -415,36 +405,6 @@ impl Geometry {
         bytes >= STREAM_BYTES && 2 * bytes >= llc_bytes() && self.streamable_rows(size)
     }
 
-    /// Whether a channel-major pass that walks each channel's rows in turn (one row an
-    /// outer index, a plane of the other channels apart) hints the same rows of the next
-    /// channel of its task while it works on these ([`simd::Simd::prefetch_lines`]):
-    /// where the rows are shorter than [`STREAM_ROW_BYTES`] (and at least
-    /// [`HINT_MIN_ROW_BYTES`]) and the pass's `tensors`
-    /// tensors of elements of `size` bytes do not fit the last-level cache together. No
-    /// hardware prefetcher follows a walk of a few lines a plane apart, so each row
-    /// waited on its loads; the same row of the next channel is the next `inner`
-    /// elements of each tensor. Such rows are never streamed ([`Geometry::stream`]
-    /// needs rows of at least [`STREAM_ROW_BYTES`]), so a hinted output is one written
-    /// with ordinary stores. In cache the hints cost more than they save: a build that
-    /// hinted there too took NCHW 16x256x14x14 f32 (9.6 MB) from 1.15 / 1.23 to 1.33 /
-    /// 1.43 of a copy in the inference gradient (Zen 4, AVX-512 / AVX2), hence the cache
-    /// test. From DRAM, the figures of docs/performance.md (2026-12-06, seventh
-    /// session): e.g. the inference gradient of 64x1024x14x14 f32 1.52 / 1.59 -> 1.11 /
-    /// 1.12 and bf16 2.09 / 2.52 -> 1.55 / 1.86; but with AVX2 some 16-bit
-    /// second-order cells over 98-byte rows higher (f16 64x2048x7x7 training 3.24 ->
-    /// 3.49). The bits do not depend on it.
-    ///
-    /// Only tensors of one image take the hints now: the rows they are for (under
-    /// [`STREAM_ROW_BYTES`]) are otherwise walked image by image
-    /// ([`Geometry::rows_in_image_order`], [`IMAGE_ORDER_ROW_BYTES`]), which was faster
-    /// from DRAM as well (64x2048x7x7 bf16 inference gradient 3.18 -> 1.74 of a copy on
-    /// the Zen 3).
-    pub(crate) fn hints_next_channel(&self, tensors: usize, size: usize) -> bool {
-        !self.channels_last()
-            && (HINT_MIN_ROW_BYTES..STREAM_ROW_BYTES).contains(&(self.inner * size))
-            && tensors * self.len() * size > llc_bytes()
-    }
-
     /// Whether a channel-major pass that walks one task's rows channel by channel may
     /// walk them image by image instead, in memory order ([`RowOrder::Images`]): rows
     /// shorter than [`IMAGE_ORDER_ROW_BYTES`], which are never streamed, of more than
@@ -612,12 +572,17 @@ where
 /// The order in which a channel-major pass over one task's rows walks them. Either
 /// way each channel's rows are summed in the same lanes, in the same order, with the
 /// same tiles: the bits do not depend on it.
+///
+/// (Until 2026-12-07 the walk by channel could also hint the next channel's rows while
+/// it worked on a channel's, for rows of 128 bytes to 1 KiB in tensors past the
+/// last-level cache, where no hardware prefetcher follows rows a plane apart. Once such
+/// rows of several images were walked image by image, only tensors of one image took
+/// the hints, whose next channel's row is the next bytes in memory, and they were
+/// removed: docs/performance.md, the Zen 3's tenth session.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RowOrder {
-    /// Channel by channel, each channel's rows a plane of the other channels apart;
-    /// with `hint`, the next channel's rows hinted while a channel is worked on
-    /// ([`Geometry::hints_next_channel`]).
-    Channels { hint: bool },
+    /// Channel by channel, each channel's rows a plane of the other channels apart.
+    Channels,
     /// Image by image (outer index by outer index): the task's channels of one image
     /// are contiguous, so the walk reads and writes each tensor in memory order, with
     /// the channels' sums kept apart until their tile ends

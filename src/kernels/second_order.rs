@@ -86,9 +86,7 @@ pub fn reduce<T: Element>(
     let walk = if geo.rows_in_image_order(size) && 3 * geo.len() * size >= IMAGE_ORDER_MIN_BYTES {
         RowOrder::Images
     } else {
-        RowOrder::Channels {
-            hint: geo.hints_next_channel(3, size),
-        }
+        RowOrder::Channels
     };
     reduce_in(geo, isa, ins, shifts, walk)
 }
@@ -202,21 +200,17 @@ impl<T: Element> Kernel<T::Stat> for TaskSums<'_, T> {
     type Output = Vec<Six>;
     #[inline(always)]
     fn run<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
-        // One instantiation each, so that a walk without hints tests no flag a row.
         match self.walk {
-            RowOrder::Channels { hint: true } => self.channels::<S, true>(s),
-            RowOrder::Channels { hint: false } => self.channels::<S, false>(s),
+            RowOrder::Channels => self.channels(s),
             RowOrder::Images => self.images(s),
         }
     }
 }
 
 impl<T: Element> TaskSums<'_, T> {
-    /// The six sums of each channel of the task; with `HINT`, every channel but the
-    /// task's last hints the same row of the next channel during each row (the last
-    /// one's next channel is another task's, perhaps on another core).
+    /// The six sums of each channel of the task, channel by channel.
     #[inline(always)]
-    fn channels<S: Simd<T::Stat>, const HINT: bool>(self, s: S) -> Vec<Six> {
+    fn channels<S: Simd<T::Stat>>(self, s: S) -> Vec<Six> {
         let t = self.task;
         let zero = s.splat(T::Stat::ZERO);
         let mut out = Vec::with_capacity(t.c1 - t.c0);
@@ -225,22 +219,11 @@ impl<T: Element> TaskSums<'_, T> {
             let full = splat_n(s, sh);
             // A partial vector's shifts are loaded partially too (missing lanes 0 − 0).
             let rep = sh.map(|v| [v; MAX_LANES]);
-            let hint = HINT && c + 1 < t.c1;
             let mut total = [0f64; 6];
             for tile in channel_tiles(self.geo, c, t.o0, t.o1) {
                 let mut acc = [zero; 6];
                 for i in 0..tile.count {
                     let off = tile.start + i * tile.stride;
-                    if hint {
-                        // Addresses only (a hint never faults, and `wrapping_add` makes
-                        // no claim on the allocation).
-                        for v in self.ins {
-                            s.prefetch_lines(
-                                v.as_ptr().wrapping_add(off + self.geo.inner),
-                                tile.step,
-                            );
-                        }
-                    }
                     let ins = window(self.ins, off, tile.step);
                     row_sums(s, ins, &full, &rep, &mut acc);
                 }
@@ -805,18 +788,16 @@ mod tests {
         }
     }
 
-    /// The channel-major sums with the next channel's rows hinted (a walk taken only by
-    /// tensors past the last-level cache, `Geometry::hints_next_channel`), and those
-    /// walked image by image (`RowOrder::Images`), give the bits of the walk channel by
-    /// channel without hints: rows of 49, 15, 2, 3 and 200 elements, 16x700x7x7 in at
-    /// least three tasks (four of 175 channels on two threads), channels of several
-    /// tiles (3000 rows of 3, 90 of 200), channels split into row chunks of several
-    /// tiles (1400 rows of 200), a task of more channels than an image-order block
-    /// (1100 channels of 3: `IMAGE_BLOCK_CHANNELS`), each dtype, every ISA. (Fails with the hinted walk
-    /// skipping a row, and with the image walk keeping its sums from one tile to the
+    /// The channel-major sums walked image by image (`RowOrder::Images`) give the bits
+    /// of the walk channel by channel: rows of 49, 15, 2, 3 and 200 elements,
+    /// 16x700x7x7 in at least three tasks (four of 175 channels on two threads),
+    /// channels of several tiles (3000 rows of 3, 90 of 200), channels split into row
+    /// chunks of several tiles (1400 rows of 200), a task of more channels than an
+    /// image-order block (1100 channels of 3: `IMAGE_BLOCK_CHANNELS`), each dtype,
+    /// every ISA. (Fails with the image walk keeping its sums from one tile to the
     /// next, tried.)
     #[test]
-    fn hinted_channel_rows_have_the_bits_of_the_plain_walk() {
+    fn image_order_sums_have_the_bits_of_the_channel_walk() {
         fn check<T: Element>() {
             for (outer, channels, inner) in super::super::IMAGE_WALK_GEOMETRIES {
                 let geo = Geometry::new(outer, channels, inner);
@@ -843,12 +824,8 @@ mod tests {
                             .map(f64::to_bits)
                             .collect()
                     };
-                    let plain = run(RowOrder::Channels { hint: false });
+                    let plain = run(RowOrder::Channels);
                     let what = format!("{isa} {outer}x{channels}x{inner}");
-                    assert!(
-                        run(RowOrder::Channels { hint: true }) == plain,
-                        "{what}: hinted"
-                    );
                     assert!(run(RowOrder::Images) == plain, "{what}: image order");
                 }
             }
