@@ -1346,7 +1346,6 @@ pub fn backward_inference<T: Element>(
             // by: `channel_rows_out` divides by it).
             return BackwardSums::zeros(c);
         }
-        // dy, x, the mask if any, and dx.
         let size = size_of::<T>();
         let walk = if g.rows_in_image_order(size) {
             RowOrder::Images
