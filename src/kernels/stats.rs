@@ -758,6 +758,14 @@ fn deviation_sums_px<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     // (7) Two of the adds of each vector of the pair loop below as `fma(d, 1, e)` (the
     // same bits), to unload the add ports: slower, one thread in L2 (NHWC 1x16x32x256
     // bf16), 15.0 -> 16.0 us (medians of three runs).
+    // (8) Two quads per update of the accumulators again, in both four-pixel loops
+    // (the paired one and `quad_rest`'s, each accumulator taking the two quads' sums
+    // in turn in registers: the same bits, every output of four NHWC shapes compared
+    // byte for byte), on a Zen 3 (2026-12-07, `scripts/ab.sh`, NHWC forward training
+    // from DRAM, 64x56x56x256 and 64x112x112x64, bf16 and f16): base / two quads /
+    // base, 3 of 4 cells above both base runs, 1 between; two quads / base / two
+    // quads, base below both in 1 (f16 64x112x112x64 1.41 / 1.11 / 1.36 of a copy),
+    // above both in 1 (bf16 64x112x112x64 1.21 / 1.30 / 1.25), between in 2. Not kept.
     let ahead = PREFETCH_BYTES / std::mem::size_of::<T>();
     // With `quads`, four pixels at a time: one accumulator update (two loads, two
     // stores) per four vectors of x, not per vector. For tensors in cache, where those
