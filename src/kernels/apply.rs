@@ -16,7 +16,10 @@ use std::mem::size_of;
 use super::simd::{
     load_n, load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk,
 };
-use super::{for_each_row_chunk, next_cyclic, Geometry, MAX_PERIOD, STREAM_ROW_BYTES};
+use super::{
+    for_each_row_chunk, next_cyclic, with_arena, Geometry, ARENA_MIN_BYTES, MAX_PERIOD,
+    STREAM_ROW_BYTES,
+};
 use crate::element::{DType, Element, Real};
 
 /// What the forward pass does after the affine map: add an optional residual
@@ -72,20 +75,31 @@ pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
 {
     let stream = g.stream(size_of::<T>());
     let row_len = g.row_len();
+    // Whether a channels-last task's pattern of constants may reach
+    // [`ARENA_MIN_BYTES`] (`K` rows of at least C values, twice with pairs).
+    let large = g.channels_last() && 2 * K * g.channels * size_of::<T::Stat>() >= ARENA_MIN_BYTES;
     for_each_row_chunk(g, out, |row0, out| {
         let ins = sub_n(&ins, row0 * row_len, Some(out.len()));
-        T::Stat::dispatch(
-            isa,
-            Elementwise {
-                g,
-                row0,
-                ins,
-                out,
-                consts,
-                stream,
-                f,
-            },
-        );
+        let run = |out: &mut [T], arena: Option<&bumpalo::Bump>| {
+            T::Stat::dispatch(
+                isa,
+                Elementwise {
+                    g,
+                    row0,
+                    ins,
+                    out,
+                    consts,
+                    stream,
+                    f,
+                    arena,
+                },
+            )
+        };
+        if large {
+            with_arena(|arena| run(out, Some(arena)));
+        } else {
+            run(out, None);
+        }
     });
 }
 
@@ -148,6 +162,9 @@ pub(crate) struct Elementwise<'a, T: Element, F, const N: usize, const K: usize>
     pub consts: [&'a [T::Stat]; K],
     pub stream: bool,
     pub f: F,
+    /// Where a channels-last task's pattern of constants comes from where it is large
+    /// ([`PatternBuf`]); the heap without.
+    pub arena: Option<&'a bumpalo::Bump>,
 }
 
 impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::Stat>
@@ -183,12 +200,13 @@ impl<T: Element, F: VectorFn<N, K>, const N: usize, const K: usize> Kernel<T::St
             if period <= MAX_PERIOD {
                 let head = head_len(self.out, s.cl_stream_align::<T>(), self.stream);
                 let pairs = s.pair_even_odd::<T>();
-                let pattern = Pattern::new(self.consts, c, period, head, l, pairs);
+                let pattern = Pattern::new(self.arena, self.consts, c, period, head, l, pairs);
                 periodic(s, &pattern, self.ins, self.out, self.stream, &self.f);
             } else {
                 // A huge period (large C, prime to the lanes): one pixel at a time,
                 // each starting the pattern afresh.
-                let pattern = Pattern::new(self.consts, c, c, 0, l, s.pair_even_odd::<T>());
+                let pairs = s.pair_even_odd::<T>();
+                let pattern = Pattern::new(self.arena, self.consts, c, c, 0, l, pairs);
                 for (p, out) in self.out.chunks_exact_mut(c).enumerate() {
                     let ins = sub_n(&self.ins, p * c, Some(c));
                     periodic(s, &pattern, ins, out, false, &self.f);
@@ -758,20 +776,23 @@ unsafe fn zip_pairs<U, S, T, F, const N: usize, const K: usize>(
 /// multiple of `2·lanes`) is laid out in the ISA's pair order instead
 /// (`Simd::pair_even_odd`: even elements, then odd ones) for the pair loads, and
 /// `single` keeps memory order for single vectors and tails.
-struct Pattern<U, const K: usize> {
+struct Pattern<'a, U, const K: usize> {
     period: usize,
     head: usize,
     /// Each of `values`, `single` (with pairs) and `head_values` as `K` rows, one
     /// after the other in one allocation (three allocations per constant cost the
-    /// 2x8x8x32 second-order pass, eight constants, a tenth of its time).
-    buf: Vec<U>,
+    /// 2x8x8x32 second-order pass, eight constants, a tenth of its time), from the
+    /// thread's arena where it is large (see [`PatternBuf`]).
+    buf: PatternBuf<'a, U>,
     /// Length of a row of `values` or `single`: `period + lanes`.
     row: usize,
     pairs: bool,
 }
 
-impl<U: Real, const K: usize> Pattern<U, K> {
+impl<'a, U: Real, const K: usize> Pattern<'a, U, K> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        arena: Option<&'a bumpalo::Bump>,
         consts: [&[U]; K],
         c: usize,
         period: usize,
@@ -782,13 +803,36 @@ impl<U: Real, const K: usize> Pattern<U, K> {
         // One vector of lanes past the period lets a tail read a whole vector.
         let row = period + lanes;
         let rows = if pairs { 2 * K } else { K };
-        let mut buf = Vec::with_capacity(rows * row + K * head);
-        for k in consts {
-            cycle(&mut buf, &k[..c], head, row);
-        }
+        // The rows (in memory order, then laid out in pairs below), then with pairs the
+        // memory-order copy (`single`), then the head's values; appended, not zeroed
+        // first.
+        let fill = |push: &mut dyn FnMut(&[U])| {
+            for _ in 0..rows / K {
+                for k in consts {
+                    cycle(&mut *push, &k[..c], head, row);
+                }
+            }
+            for k in consts {
+                cycle(&mut *push, &k[..c], 0, head);
+            }
+        };
+        let len = rows * row + K * head;
+        let mut buf = if let Some(arena) = arena.filter(|_| len * size_of::<U>() >= ARENA_MIN_BYTES)
+        {
+            let mut v = bumpalo::collections::Vec::with_capacity_in(len, arena);
+            fill(&mut |part| v.extend_from_slice_copy(part));
+            PatternBuf::Arena(v.into_bump_slice_mut())
+        } else {
+            let mut v = Vec::with_capacity(len);
+            fill(&mut |part| v.extend_from_slice(part));
+            PatternBuf::Heap(v)
+        };
+        let buf_mut: &mut [U] = match &mut buf {
+            PatternBuf::Heap(v) => v,
+            PatternBuf::Arena(v) => v,
+        };
         if pairs {
-            // The memory-order copy (`single`) after the rows laid out in pair order.
-            buf.extend_from_within(..K * row);
+            let buf = buf_mut;
             // The values repeat every lcm(C, 2·lanes) elements, a whole number of pairs:
             // only the first such stretch is reordered, and copied over the rest of the
             // period (which is repeated to at least 128 elements: at C = 32 with AVX2,
@@ -814,9 +858,6 @@ impl<U: Real, const K: usize> Pattern<U, K> {
                 }
             }
         }
-        for k in consts {
-            cycle(&mut buf, &k[..c], 0, head);
-        }
         Pattern {
             period,
             head,
@@ -829,39 +870,60 @@ impl<U: Real, const K: usize> Pattern<U, K> {
     /// Constant `i` of the element `head + j` at `[i][j]`, `period + lanes` of them, in
     /// pair order where the pattern has pairs.
     fn values(&self) -> [&[U]; K] {
-        let row = self.row;
-        std::array::from_fn(|i| &self.buf[i * row..][..row])
+        let (row, buf) = (self.row, self.buf());
+        std::array::from_fn(|i| &buf[i * row..][..row])
+    }
+
+    fn buf(&self) -> &[U] {
+        match &self.buf {
+            PatternBuf::Heap(v) => v,
+            PatternBuf::Arena(v) => v,
+        }
     }
 
     /// As [`Pattern::values`], in memory order.
     fn single(&self) -> [&[U]; K] {
         let row = self.row;
         let base = if self.pairs { K * row } else { 0 };
-        std::array::from_fn(|i| &self.buf[base + i * row..][..row])
+        let buf = self.buf();
+        std::array::from_fn(|i| &buf[base + i * row..][..row])
     }
 
     /// The constants of the `head` elements before the pattern.
     fn head_values(&self) -> [&[U]; K] {
         let (row, head) = (self.row, self.head);
         let base = if self.pairs { 2 * K * row } else { K * row };
-        std::array::from_fn(|i| &self.buf[base + i * head..][..head])
+        let buf = self.buf();
+        std::array::from_fn(|i| &buf[base + i * head..][..head])
     }
 }
 
-/// Appends `len` elements of `k` repeated cyclically from index `start` to `out`: whole
-/// slices copied, no division per element (this runs once per task, and dominated
-/// small tensors).
-fn cycle<U: Real>(out: &mut Vec<U>, k: &[U], start: usize, len: usize) {
+/// Where a [`Pattern`]'s values live: on the heap, or in the thread's arena where they
+/// take at least [`ARENA_MIN_BYTES`] (NHWC 4096x1x1x8192 bf16: 196 KiB a task, 128
+/// tasks a call). Smaller patterns stay on the heap: from the arena every in-cache
+/// NHWC 16x7x7x2048 cell was slower (Zen 3, `scripts/ab.sh 7`, forward inference f32
+/// 1.87 of a copy against 1.31 and 1.36 from the heap), for a reason not found.
+enum PatternBuf<'a, U> {
+    Heap(Vec<U>),
+    Arena(&'a mut [U]),
+}
+
+/// Passes `len` elements of `k` repeated cyclically from index `start` to `push`: whole
+/// slices, no division per element (this runs once per task, and dominated small
+/// tensors).
+fn cycle<U: Real>(push: &mut dyn FnMut(&[U]), k: &[U], start: usize, len: usize) {
     if k.is_empty() {
         // No channels (no elements either): zeros keep the rows whole.
-        out.resize(out.len() + len, U::ZERO);
+        for _ in 0..len {
+            push(&[U::ZERO]);
+        }
         return;
     }
-    let end = out.len() + len;
-    let mut i = start % k.len();
-    while out.len() < end {
-        let take = (k.len() - i).min(end - out.len());
-        out.extend_from_slice(&k[i..i + take]);
+    let (mut i, mut left) = (start % k.len(), len);
+    while left > 0 {
+        let take = (k.len() - i).min(left);
+        push(&k[i..i + take]);
+        left -= take;
         i = 0;
     }
 }
@@ -871,7 +933,7 @@ fn cycle<U: Real>(out: &mut Vec<U>, k: &[U], start: usize, len: usize) {
 #[inline(always)]
 fn periodic<U, S, T, F, const N: usize, const K: usize>(
     s: S,
-    pattern: &Pattern<U, K>,
+    pattern: &Pattern<'_, U, K>,
     ins: [&[T]; N],
     out: &mut [T],
     stream: bool,
@@ -1319,8 +1381,19 @@ mod tests {
     /// (each step in `f32`, then narrowed), bit for bit, into an output filled with
     /// NaN first (an element no walk wrote stays NaN).
     fn streamed_affine_is_exact<T: Element<Stat = f32>>() {
-        for c in [1, 3, 16, 64, 67, 256, 2048] {
-            for pixels in [0, 1, 33, 700, 2100] {
+        affine_is_exact::<T>(
+            &[1, 3, 16, 64, 67, 256, 2048],
+            &[0, 1, 33, 700, 2100],
+            false,
+        );
+    }
+
+    /// [`streamed_affine_is_exact`] over `cs` × `pixel_counts`; with `arena`, each case
+    /// given a fresh arena, which it must have used (a pattern of at least
+    /// [`ARENA_MIN_BYTES`]).
+    fn affine_is_exact<T: Element<Stat = f32>>(cs: &[usize], pixel_counts: &[usize], arena: bool) {
+        for &c in cs {
+            for &pixels in pixel_counts {
                 let n = pixels * c;
                 let g = Geometry::new(pixels, c, 1);
                 let x: Vec<T> = (0..n)
@@ -1348,6 +1421,7 @@ mod tests {
                             let mut buf = vec![T::narrow(f32::NAN); n + 32];
                             let at = buf.as_ptr().align_offset(64) + skip;
                             let out = &mut buf[at..at + n];
+                            let bump = bumpalo::Bump::new();
                             let pass = Elementwise {
                                 g: &g,
                                 row0: 0,
@@ -1356,8 +1430,12 @@ mod tests {
                                 consts: [&k[0][..], &k[1][..], &k[2][..]],
                                 stream,
                                 f: Affine,
+                                arena: arena.then_some(&bump),
                             };
                             f32::dispatch(isa, pass);
+                            if arena && n > 0 {
+                                assert!(bump.allocated_bytes() >= ARENA_MIN_BYTES, "C={c}");
+                            }
                             assert_eq!(
                                 bits(&buf[at..at + n]),
                                 bits(&want),
@@ -1395,6 +1473,7 @@ mod tests {
             consts,
             stream: false,
             f,
+            arena: None,
         };
         f32::dispatch(isa, pass);
         buf[at..at + n].to_vec()
@@ -1494,5 +1573,14 @@ mod tests {
     #[test]
     fn streamed_channels_last_affine_is_exact_f16() {
         streamed_affine_is_exact::<f16>();
+    }
+
+    /// Large C, the pattern of constants from the arena (both of its shapes: a period of
+    /// C at 12,000 channels, and one pixel at a time at 12,001, whose period with the
+    /// lanes is past `MAX_PERIOD`).
+    #[test]
+    fn channels_last_affine_with_the_pattern_in_the_arena_is_exact() {
+        affine_is_exact::<f32>(&[12_000, 12_001], &[1, 3], true);
+        affine_is_exact::<bf16>(&[12_000, 12_001], &[1, 3], true);
     }
 }

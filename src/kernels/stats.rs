@@ -15,8 +15,9 @@ use rayon::prelude::*;
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd, MAX_LANES};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, scratch, ChannelMajorSplit, ChannelTask, Geometry,
-    NoPace, Pace, PixelSplit, Scratch, Tile, PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, next_cyclic, pixels_per_tile, scratch, with_arena, ChannelMajorSplit,
+    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile, ARENA_MIN_BYTES,
+    PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -470,6 +471,8 @@ struct PixelMoments<'a, T: Element> {
     out: &'a mut [Moments],
     /// Pixels of over four vectors go four at a time (see [`deviation_sums_px`]).
     quads: bool,
+    /// Where the scratch comes from at large C ([`with_arena`]); the heap without.
+    arena: Option<&'a bumpalo::Bump>,
 }
 
 impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
@@ -484,19 +487,41 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         let zero = s.splat(T::Stat::ZERO);
         // One buffer per kind, on the stack for few channel groups: on small tensors
         // malloc and free were a quarter of the pass (perf, 2x8x8x32 f32), with seven
-        // allocations a task, and still counted with three.
-        let mut vectors: Scratch<S::V, 32> = scratch(zero, groups + 3 * sets * groups);
+        // allocations a task, and still counted with three. From the thread's arena
+        // (`self.arena`, given at large C only) where the heap handed each task fresh
+        // pages (see `with_arena`).
+        let (mut heap_vectors, mut heap_lanes, mut heap_columns): (
+            Scratch<S::V, 32>,
+            Scratch<T::Stat, { 3 * 8 * MAX_LANES }>,
+            Scratch<f64, { 3 * 64 }>,
+        );
+        let vectors: &mut [S::V] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(groups + 3 * sets * groups, zero),
+            None => {
+                heap_vectors = scratch(zero, groups + 3 * sets * groups);
+                &mut heap_vectors
+            }
+        };
         let (pivot, acc) = vectors.split_at_mut(groups);
-        let mut lanes_buf: Scratch<T::Stat, { 3 * 8 * MAX_LANES }> =
-            scratch(T::Stat::ZERO, 3 * groups * l);
-        // A slice taken once (each use of a `Scratch` tests where its elements are).
-        let lanes = &mut lanes_buf[..];
+        let lanes: &mut [T::Stat] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(3 * groups * l, T::Stat::ZERO),
+            None => {
+                heap_lanes = scratch(T::Stat::ZERO, 3 * groups * l);
+                &mut heap_lanes
+            }
+        };
         // Per channel, the f64 sums around the task's pivot of the tiles accepted so
         // far (count, Σd, Σd²: plain additions, no division per tile), as three columns
         // so that a tile whose channels are all accepted is flushed in vector loops
         // (perf, 16x7x7x2048 f32: the per-channel flush was a fifth of the pass); and,
         // allocated only when a tile needs one, the moments of tiles redone exactly.
-        let mut columns: Scratch<f64, { 3 * 64 }> = scratch(0.0f64, 3 * c);
+        let columns: &mut [f64] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(3 * c, 0.0f64),
+            None => {
+                heap_columns = scratch(0.0f64, 3 * c);
+                &mut heap_columns
+            }
+        };
         let (count, rest) = columns.split_at_mut(c);
         let (s1, s2) = rest.split_at_mut(c);
         let mut exact: Vec<Moments> = Vec::new();
@@ -1067,36 +1092,91 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
     // cells 0.01-0.05 of a copy higher and f32 0.02-0.05 lower, and at 192x56x56x256
     // (x and y 616 MB in bf16, past the L3) the four 16-bit cells moved by -0.02 to
     // +0.04. No gain in the op, 150 lines more: reverted.
-    let task = |range: std::ops::Range<usize>| {
-        let mut out = vec![Moments::EMPTY; c];
+    // Past glibc's first `mmap` threshold a task's scratch and results come from the
+    // threads' arenas (`with_arena`), which keep them between tasks and calls: from the
+    // heap, each task's were fresh pages at large C (NHWC 4096x1x1x8192 bf16: about
+    // 2,600 page faults a statistics call, Zen 3). Below it the heap, as before: with
+    // the arena every in-cache NHWC 16x7x7x2048 forward training cell was slower
+    // (Zen 3, `scripts/ab.sh 9`: f32 3.58 of a copy against 3.26 and 3.27, bf16 6.06
+    // against 5.56 and 5.62), for a reason not found.
+    let large = c * std::mem::size_of::<Moments>() >= ARENA_MIN_BYTES;
+    // The moments of the task of elements `range` merged into `out` (C of them).
+    let task = |range: std::ops::Range<usize>, out: &mut [Moments]| {
         let x = &x[range];
-        T::Stat::dispatch(
-            isa,
-            PixelMoments {
-                x,
-                c,
-                out: &mut out,
-                quads,
-            },
-        );
-        out
+        let run = |out: &mut [Moments], arena: Option<&bumpalo::Bump>| {
+            T::Stat::dispatch(
+                isa,
+                PixelMoments {
+                    x,
+                    c,
+                    out,
+                    quads,
+                    arena,
+                },
+            )
+        };
+        if large {
+            with_arena(|arena| run(out, Some(arena)));
+        } else {
+            run(out, None);
+        }
     };
     let split = PixelSplit::reduce(g);
     if split.len() <= 1 {
-        // One task (a small tensor): its moments are the total, with no vector of
-        // per-task results.
-        return task(split.range(0));
+        // One task (a small tensor): its moments are the total, with no per-task
+        // results.
+        let mut total = vec![Moments::EMPTY; c];
+        task(split.range(0), &mut total);
+        return total;
     }
-    let partials = split.map(g, task);
-    // The first task's moments are the total so far (merging them into empty ones
-    // gives the same bits).
-    let mut partials = partials.into_iter();
-    let mut total = partials.next().unwrap_or_else(|| vec![Moments::EMPTY; c]);
-    let rest: Vec<_> = partials.collect();
-    let parallel = g.parallel() && c > MERGE_BLOCK && rest.len() * c >= MERGE_PARALLEL;
-    merge_tasks(&mut total, &rest, parallel);
+    if !large {
+        let partials = split.map(g, |range| {
+            let mut out = vec![Moments::EMPTY; c];
+            task(range, &mut out);
+            out
+        });
+        // The first task's moments are the total so far (merging them into empty ones
+        // gives the same bits).
+        let mut partials = partials.into_iter();
+        let mut total = partials.next().unwrap_or_else(|| vec![Moments::EMPTY; c]);
+        let rest: Vec<Vec<Moments>> = partials.collect();
+        let rest: Vec<&[Moments]> = rest.iter().map(|p| &p[..]).collect();
+        let parallel = g.parallel() && c > MERGE_BLOCK && rest.len() * c >= MERGE_PARALLEL;
+        merge_tasks(&mut total, &rest, parallel);
+        return total;
+    }
+    // At large C the tasks' moments, a wave of tasks at a time, merged into the total
+    // in task order (the first merged into empty moments: its own bits), in the
+    // calling thread's arena (one vector of C moments a task, 12.6 MB for NHWC
+    // 4096x1x1x8192's 64 tasks, had been fresh pages every call).
+    let mut total = vec![Moments::EMPTY; c];
+    let tasks = split.len();
+    let wave = (WAVE_BYTES / (c * std::mem::size_of::<Moments>()))
+        .max(4)
+        .min(tasks);
+    with_arena(|arena| {
+        let parts = arena.alloc_slice_fill_copy(wave * c, Moments::EMPTY);
+        for t0 in (0..tasks).step_by(wave) {
+            let t1 = (t0 + wave).min(tasks);
+            let parts = &mut parts[..(t1 - t0) * c];
+            parts.fill(Moments::EMPTY);
+            let run = |(i, out): (usize, &mut [Moments])| task(split.range(t0 + i), out);
+            if g.parallel() {
+                parts.par_chunks_mut(c).enumerate().for_each(run);
+            } else {
+                parts.chunks_mut(c).enumerate().for_each(run);
+            }
+            let parallel = g.parallel() && c > MERGE_BLOCK && parts.len() >= MERGE_PARALLEL;
+            let parts: Vec<&[Moments]> = parts.chunks_exact(c).collect();
+            merge_tasks(&mut total, &parts, parallel);
+        }
+    });
     total
 }
+
+/// Bytes of per-task moments [`channels_last`] keeps at a time at large C (a wave of
+/// tasks, at least four): 10 tasks a wave at C = 8192.
+const WAVE_BYTES: usize = 2 << 20;
 
 /// `total[ch]` merged with every task's `rest[t][ch]` in task order. With `parallel`,
 /// the channels in blocks shared by the pool: the same bits as one loop, since each
@@ -1106,7 +1186,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
 /// of the samples). Besides its unit test, the parallel path is checked against the
 /// f64 reference by `tests/properties.rs`' 16-bit channels-last tests (2x130x100x1000,
 /// about 100 tasks of 1,000 channels: an `assert!(!parallel)` here failed both).
-fn merge_tasks(total: &mut [Moments], rest: &[Vec<Moments>], parallel: bool) {
+fn merge_tasks(total: &mut [Moments], rest: &[&[Moments]], parallel: bool) {
     let merge = |(i, block): (usize, &mut [Moments])| {
         for p in rest {
             Moments::merge_into(block, &p[i * MERGE_BLOCK..][..block.len()]);
@@ -1215,6 +1295,35 @@ mod tests {
                     assert_same_moments(&got, &want, &what);
                 }
             }
+        }
+    }
+
+    /// Past [`ARENA_MIN_BYTES`](crate::kernels::ARENA_MIN_BYTES) of moments a task (C
+    /// of 5,462 and more), the channels-last tasks' moments come in waves from the
+    /// arena: the total is still every task's moments merged in task order, bit for
+    /// bit, over more than one wave. Each task's moments are those of a tensor of its
+    /// pixels alone (one task: 64 pixels of 22,000 channels; bf16, which takes four
+    /// pixels at a time at any size, so a task's sums do not depend on the tensor's).
+    #[test]
+    fn large_c_moments_are_the_tasks_merged_in_order_bit_for_bit() {
+        use half::bf16;
+        let (pixels, c, per_task) = (300, 22_000, 64);
+        let g = Geometry::new(pixels, c, 1);
+        assert_eq!(super::PixelSplit::reduce(&g).len(), 5);
+        let x: Vec<bf16> = (0..g.len())
+            .map(|i| bf16::from_f32((i * 7919 % 1013) as f32 * 0.01 + (i % c) as f32 * 0.1 + 50.0))
+            .collect();
+        for isa in Isa::supported() {
+            let got = channel_moments(&g, isa, &x);
+            let mut want = vec![Moments::EMPTY; c];
+            for part in x.chunks(per_task * c) {
+                let one = Geometry::new(part.len() / c, c, 1);
+                let m = channel_moments(&one, isa, part);
+                for (w, m) in want.iter_mut().zip(m) {
+                    *w = w.merge(m);
+                }
+            }
+            assert_same_moments(&got, &want, &format!("{isa:?}"));
         }
     }
 
@@ -1393,7 +1502,8 @@ mod tests {
             .collect();
         for parallel in [false, true] {
             let mut total = tasks[0].clone();
-            merge_tasks(&mut total, &tasks[1..], parallel);
+            let rest: Vec<&[Moments]> = tasks[1..].iter().map(|p| &p[..]).collect();
+            merge_tasks(&mut total, &rest, parallel);
             assert_same_moments(&total, &want, &format!("parallel {parallel}"));
         }
     }
