@@ -5,15 +5,17 @@
 //! constant term) keeps `dx` exact where it should vanish (e.g. `M = 1`, as in
 //! TensorFlow) and accurate when |μ| ≫ std.
 
+use std::mem::size_of;
+
 use super::apply::{elementwise, head_len, VectorFn, STREAM_AHEAD_BYTES};
 use super::simd::{
     load_n, load_partial_n, prefetch_each, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk,
     MAX_LANES,
 };
 use super::{
-    channel_tiles, pixels_per_tile, scratch, short_period, ChannelMajorSplit, ChannelTask,
-    Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES,
-    STREAM_BYTES,
+    channel_tiles, pixels_per_tile, scratch, short_period, task_waves, with_arena,
+    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows,
+    ARENA_MIN_BYTES, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -52,6 +54,38 @@ impl BackwardSums {
             sum_dy: vec![0.0; c],
             sum_dy_xc: vec![0.0; c],
         }
+    }
+
+    /// The channel-by-channel total of the sums of `n` tasks (`task(t, item, sums)` adds
+    /// task `t`'s to zeros), added in task order: [`BackwardSums::total`]'s bits (its
+    /// first task plus 0.0 is zeros plus it), with the tasks' sums in waves from the
+    /// calling thread's arena ([`task_waves`]): for large C, where a pair of vectors a
+    /// task had been fresh pages every call.
+    pub(crate) fn in_waves<I: Send>(
+        g: &Geometry,
+        n: usize,
+        c: usize,
+        items: Vec<I>,
+        task: impl Fn(usize, I, (&mut [f64], &mut [f64])) + Sync + Send,
+    ) -> Self {
+        debug_assert_eq!(items.len(), n);
+        let mut total = BackwardSums::zeros(c);
+        let run = |t: usize, item: I, out: &mut [f64]| {
+            let (sd, sx) = out.split_at_mut(c);
+            task(t, item, (sd, sx));
+        };
+        task_waves(g, items, 2 * c, 0.0f64, run, |parts| {
+            for p in parts.chunks_exact((2 * c).max(1)) {
+                let (sd, sx) = p.split_at(c);
+                for (a, b) in total.sum_dy.iter_mut().zip(sd) {
+                    *a += b;
+                }
+                for (a, b) in total.sum_dy_xc.iter_mut().zip(sx) {
+                    *a += b;
+                }
+            }
+        });
+        total
     }
 
     /// The channel-by-channel total of per-task partial sums, added in task order. The
@@ -107,24 +141,43 @@ pub fn reduce<T: Element>(
         } else {
             Quads::No
         };
-        let partials = PixelSplit::reduce(g).map(g, |range| {
-            let mut sums = BackwardSums::zeros(c);
-            T::Stat::dispatch(
-                isa,
-                PixelSums {
-                    dy: &dy[range.clone()],
-                    mask: mask.map(|m| &m[range.clone()]),
-                    x: &x[range],
-                    mean,
-                    dx: None,
-                    stream: false,
-                    quads,
-                    sums: &mut sums,
-                },
-            );
-            sums
-        });
-        BackwardSums::total(c, partials)
+        let split = PixelSplit::reduce(g);
+        let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
+        // The sums of the task of elements `range` added to `sums`.
+        let task = |range: std::ops::Range<usize>, sums: (&mut [f64], &mut [f64])| {
+            let run = |arena: Option<&bumpalo::Bump>| {
+                T::Stat::dispatch(
+                    isa,
+                    PixelSums {
+                        dy: &dy[range.clone()],
+                        mask: mask.map(|m| &m[range.clone()]),
+                        x: &x[range.clone()],
+                        mean,
+                        dx: None,
+                        stream: false,
+                        quads,
+                        sums,
+                        arena,
+                    },
+                )
+            };
+            if large {
+                with_arena(|a| run(Some(a)));
+            } else {
+                run(None);
+            }
+        };
+        if !large {
+            let partials = split.map(g, |range| {
+                let mut sums = BackwardSums::zeros(c);
+                task(range, (&mut sums.sum_dy, &mut sums.sum_dy_xc));
+                sums
+            });
+            return BackwardSums::total(c, partials);
+        }
+        BackwardSums::in_waves(g, split.len(), c, vec![(); split.len()], |t, (), sums| {
+            task(split.range(t), sums)
+        })
     } else {
         let per = ChannelMajorSplit::new(g).map_channels(
             g,
@@ -906,7 +959,11 @@ pub(crate) struct PixelSums<'a, T: Element> {
     pub stream: bool,
     /// Without `dx`: whether to take four pixels at a time ([`Quads`]).
     pub quads: Quads,
-    pub sums: &'a mut BackwardSums,
+    /// `Σdy` and `Σdy·(x − m)` per channel, added to.
+    pub sums: (&'a mut [f64], &'a mut [f64]),
+    /// Where the C-sized scratch comes from at large C ([`with_arena`]); the heap
+    /// without.
+    pub arena: Option<&'a bumpalo::Bump>,
 }
 
 /// How [`PixelSums`] without `dx` walks its pixels.
@@ -949,12 +1006,12 @@ impl<T: Element> Kernel<T::Stat> for PixelSums<'_, T> {
             None => s,
         };
         let (dy, x, st) = (self.dy, self.x, self.stream);
-        let (m, q, sums) = (self.mean, self.quads, self.sums);
+        let (m, q, sums, ar) = (self.mean, self.quads, self.sums, self.arena);
         match (self.mask, self.dx) {
-            (None, None) => pixel_sums(s, [dy, x], m, None, false, q, sums),
-            (Some(y), None) => pixel_sums(s, [dy, x, y], m, None, false, q, sums),
-            (None, Some(o)) => pixel_sums(s, [dy, x], m, Some(o), st, q, sums),
-            (Some(y), Some(o)) => pixel_sums(s, [dy, x, y], m, Some(o), st, q, sums),
+            (None, None) => pixel_sums(s, [dy, x], m, None, false, q, sums, ar),
+            (Some(y), None) => pixel_sums(s, [dy, x, y], m, None, false, q, sums, ar),
+            (None, Some(o)) => pixel_sums(s, [dy, x], m, Some(o), st, q, sums, ar),
+            (Some(y), Some(o)) => pixel_sums(s, [dy, x, y], m, Some(o), st, q, sums, ar),
         }
         if st {
             s.fence();
@@ -1545,6 +1602,7 @@ unsafe fn vectors_at<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
 
 /// [`PixelSums`] for one combination of inputs: `ins` = dy, x (and the mask).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     s: S,
     ins: [&[T]; N],
@@ -1552,7 +1610,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     mut dx: Option<(&mut [T], &[U])>,
     stream: bool,
     quads: Quads,
-    sums: &mut BackwardSums,
+    sums: (&mut [f64], &mut [f64]),
+    arena: Option<&bumpalo::Bump>,
 ) {
     let (l, c) = (S::LANES, mean.len());
     // Without the hints (`Simd::HINTS`) no streamed dx and no prefetched quads: the
@@ -1565,14 +1624,30 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let groups = c.div_ceil(l);
     let zero = s.splat(U::ZERO);
     // Scratch on the stack for few channel groups (small tensors paid about ten
-    // allocations a call here and in the callers).
-    let padded = |v: &[U]| {
-        let mut p: Scratch<U, { 8 * MAX_LANES }> = scratch(U::ZERO, groups * l);
-        p[..v.len()].copy_from_slice(v);
-        p
+    // allocations a call here and in the callers), from the thread's arena where given
+    // (large C: from the heap, fresh pages a task; see `with_arena`).
+    let (mut heap_mean, mut heap_k1): (
+        Scratch<U, { 8 * MAX_LANES }>,
+        Scratch<U, { 8 * MAX_LANES }>,
+    );
+    let mean_p: &mut [U] = match arena {
+        Some(a) => a.alloc_slice_fill_copy(groups * l, U::ZERO),
+        None => {
+            heap_mean = scratch(U::ZERO, groups * l);
+            &mut heap_mean
+        }
     };
-    let mut mean_p = padded(mean);
-    let mut k1_p = padded(dx.as_ref().map_or(&[][..], |d| d.1));
+    mean_p[..mean.len()].copy_from_slice(mean);
+    let k1_p: &mut [U] = match arena {
+        Some(a) => a.alloc_slice_fill_copy(groups * l, U::ZERO),
+        None => {
+            heap_k1 = scratch(U::ZERO, groups * l);
+            &mut heap_k1
+        }
+    };
+    if let Some((_, k1)) = &dx {
+        k1_p[..k1.len()].copy_from_slice(k1);
+    }
     let tile = pixels_per_tile(c) * c;
     let size = std::mem::size_of::<T>();
     // With dx, where the ISA has a cheaper pair order (AVX2 bf16), the pixel walk takes
@@ -1593,8 +1668,8 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
     });
     if let Some(p) = pair_layout {
-        p.reorder(&mut mean_p, l, true);
-        p.reorder(&mut k1_p, l, true);
+        p.reorder(mean_p, l, true);
+        p.reorder(k1_p, l, true);
     }
     let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
     // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
@@ -1604,12 +1679,28 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let rotated = stream && dx.is_some() && c.is_multiple_of(l);
     let period = short.or(rotated.then_some(groups));
     let width = groups.max(period.unwrap_or(0));
-    let (mut a_buf, mut b_buf): (Scratch<S::V, 16>, Scratch<S::V, 16>) =
-        (scratch(zero, width), scratch(zero, width));
-    let mut lanes_buf: Scratch<U, { 2 * 16 * MAX_LANES }> = scratch(U::ZERO, 2 * width * l);
+    let (mut a_buf, mut b_buf, mut lanes_buf): (
+        Scratch<S::V, 16>,
+        Scratch<S::V, 16>,
+        Scratch<U, { 2 * 16 * MAX_LANES }>,
+    );
     // Slices taken once: each use of a `Scratch` tests where its elements are (+5k
     // instructions a 2x8x8x32 Ex backward call when the loops indexed them).
-    let (a, b, lanes) = (&mut a_buf[..], &mut b_buf[..], &mut lanes_buf[..]);
+    let (a, b, lanes): (&mut [S::V], &mut [S::V], &mut [U]) = match arena {
+        Some(ar) => (
+            ar.alloc_slice_fill_copy(width, zero),
+            ar.alloc_slice_fill_copy(width, zero),
+            ar.alloc_slice_fill_copy(2 * width * l, U::ZERO),
+        ),
+        None => {
+            (a_buf, b_buf, lanes_buf) = (
+                scratch(zero, width),
+                scratch(zero, width),
+                scratch(U::ZERO, 2 * width * l),
+            );
+            (&mut a_buf, &mut b_buf, &mut lanes_buf)
+        }
+    };
     let mut pc: Option<PeriodConsts<U>> = None;
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,
@@ -1765,7 +1856,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         // a channel were 15 % of the samples of NHWC 64x56x56x256 bf16 backward sums
         // (C = 256, a flush every 128 pixels; `perf annotate`, Zen 4).
         let (h, w) = periodic.as_ref().map_or((0, c), |p| (p.h, used * l));
-        let (sd, sx) = (&mut sums.sum_dy[..c], &mut sums.sum_dy_xc[..c]);
+        let (sd, sx) = (&mut sums.0[..c], &mut sums.1[..c]);
         if h == 0 && w == c {
             // Lane j is channel j: the same additions as below, in a plain loop over
             // the channels (no wrap tests). With the four-pixel loop's single base
@@ -1877,7 +1968,8 @@ mod tests {
                 dx: Some((out, k1)),
                 stream,
                 quads: Quads::No,
-                sums: &mut sums,
+                sums: (&mut sums.sum_dy, &mut sums.sum_dy_xc),
+                arena: None,
             },
         );
         let dx = buf[start..start + n]
@@ -1942,6 +2034,101 @@ mod tests {
                         assert!(same(&sums.sum_dy_xc, &s0.sum_dy_xc), "{what}: sum dy·xc");
                     }
                 }
+            }
+        }
+    }
+
+    /// [`BackwardSums::in_waves`] (large C: the tasks' sums a wave at a time in the
+    /// arena) adds the tasks' sums in task order: [`BackwardSums::total`]'s bits, over
+    /// three waves, with sums of magnitudes that make the order show.
+    #[test]
+    fn in_waves_adds_the_tasks_in_order_bit_for_bit() {
+        let (c, n) = (40_000, 9);
+        let g = Geometry::new(64 * n, c, 1);
+        let value = |t: usize, ch: usize, k: usize| {
+            ((t * 7919 + ch * 31 + k) % 1013) as f64 * 1e-3 * 10f64.powi((t % 5) as i32 * 3)
+        };
+        let fill = |t: usize, (sd, sx): (&mut [f64], &mut [f64])| {
+            for ch in 0..c {
+                sd[ch] += value(t, ch, 0);
+                sx[ch] += -value(t, ch, 1);
+            }
+        };
+        let partials: Vec<BackwardSums> = (0..n)
+            .map(|t| {
+                let mut p = BackwardSums::zeros(c);
+                fill(t, (&mut p.sum_dy, &mut p.sum_dy_xc));
+                p
+            })
+            .collect();
+        let want = BackwardSums::total(c, partials);
+        let got = BackwardSums::in_waves(&g, n, c, vec![(); n], |t, (), sums| fill(t, sums));
+        let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.sum_dy), bits(&want.sum_dy));
+        assert_eq!(bits(&got.sum_dy_xc), bits(&want.sum_dy_xc));
+    }
+
+    /// At large C (its sums and scratch from the arena) the channels-last inference
+    /// gradient is each task's alone (64 pixels, the kernel's heap path), dx and sums
+    /// bit for bit; and the training sums (`reduce`: products and tiles in `f32`) are
+    /// within 1e-6 of the sum of absolute terms of `f64` sums.
+    #[test]
+    fn large_c_gradient_sums_match_the_tasks_and_f64() {
+        let (pixels, c) = (300, 9_000);
+        let g = Geometry::new(pixels, c, 1);
+        let n = g.len();
+        let dy: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1013) as f32 * 0.01 - 5.0)
+            .collect();
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 997) as f32 * 0.02 + 3.0)
+            .collect();
+        let mean: Vec<f32> = (0..c).map(|ch| 3.0 + (ch % 17) as f32 * 0.5).collect();
+        let k1: Vec<f32> = (0..c).map(|ch| 0.5 + (ch % 13) as f32 * 0.1).collect();
+        let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::supported() {
+            let data = GradData {
+                dy: &dy,
+                mask: None,
+                x: &x,
+            };
+            let mut dx = vec![0f32; n];
+            let got = crate::kernels::fused::backward_inference(&g, isa, data, &mean, &k1, &mut dx);
+            let mut want_dx = Vec::with_capacity(n);
+            let mut parts = Vec::new();
+            for (d, xs) in dy.chunks(64 * c).zip(x.chunks(64 * c)) {
+                let (part_dx, part) = run(isa, &[d.to_vec(), xs.to_vec()], &mean, &k1, 0, false);
+                want_dx.extend(part_dx);
+                parts.push(part);
+            }
+            let want = BackwardSums::total(c, parts);
+            let got_dx: Vec<f64> = dx.iter().map(|v| *v as f64).collect();
+            assert_eq!(bits(&got_dx), bits(&want_dx), "{isa:?} dx");
+            assert_eq!(bits(&got.sum_dy), bits(&want.sum_dy), "{isa:?} sum dy");
+            assert_eq!(
+                bits(&got.sum_dy_xc),
+                bits(&want.sum_dy_xc),
+                "{isa:?} sum dy·xc"
+            );
+            let sums = reduce(&g, isa, data, &mean);
+            for ch in 0..c {
+                let (mut sd, mut sx, mut scale) = (0f64, 0f64, 0f64);
+                for p in 0..pixels {
+                    let (d, v) = (
+                        dy[p * c + ch] as f64,
+                        x[p * c + ch] as f64 - mean[ch] as f64,
+                    );
+                    (sd, sx, scale) = (sd + d, sx + d * v, scale + (d * v).abs() + d.abs());
+                }
+                let tol = 1e-6 * scale.max(1.0);
+                assert!(
+                    (sums.sum_dy[ch] - sd).abs() <= tol,
+                    "{isa:?} ch {ch} sum dy"
+                );
+                assert!(
+                    (sums.sum_dy_xc[ch] - sx).abs() <= tol,
+                    "{isa:?} ch {ch} sum dy·xc"
+                );
             }
         }
     }

@@ -30,9 +30,9 @@ use super::backward::{
 use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
+    apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed, with_arena,
     ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, RowOrder, Scratch, TaskRows, Tile,
-    RESIDENT_BYTES, TILE,
+    ARENA_MIN_BYTES, RESIDENT_BYTES, TILE,
 };
 use crate::element::{Element, Real};
 
@@ -1321,25 +1321,41 @@ pub fn backward_inference<T: Element>(
     if g.channels_last() {
         let stream = g.stream(size_of::<T>());
         let split = PixelSplit::reduce(g);
-        let partials = map_items(g, split.chunks_mut(dx), |t, out| {
+        let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
+        // Task `t`'s sums added to `sums`, its dx into `out`.
+        let task = |t: usize, out: &mut [T], sums: (&mut [f64], &mut [f64])| {
             let range = split.range(t);
-            let mut sums = BackwardSums::zeros(c);
-            T::Stat::dispatch(
-                isa,
-                PixelSums {
-                    dy: &dy[range.clone()],
-                    mask: mask.map(|m| &m[range.clone()]),
-                    x: &x[range],
-                    mean,
-                    dx: Some((out, k1)),
-                    stream,
-                    quads: Quads::No,
-                    sums: &mut sums,
-                },
-            );
-            sums
-        });
-        BackwardSums::total(c, partials)
+            let run = |arena: Option<&bumpalo::Bump>| {
+                T::Stat::dispatch(
+                    isa,
+                    PixelSums {
+                        dy: &dy[range.clone()],
+                        mask: mask.map(|m| &m[range.clone()]),
+                        x: &x[range.clone()],
+                        mean,
+                        dx: Some((out, k1)),
+                        stream,
+                        quads: Quads::No,
+                        sums,
+                        arena,
+                    },
+                )
+            };
+            if large {
+                with_arena(|a| run(Some(a)));
+            } else {
+                run(None);
+            }
+        };
+        if !large {
+            let partials = map_items(g, split.chunks_mut(dx), |t, out| {
+                let mut sums = BackwardSums::zeros(c);
+                task(t, out, (&mut sums.sum_dy, &mut sums.sum_dy_xc));
+                sums
+            });
+            return BackwardSums::total(c, partials);
+        }
+        BackwardSums::in_waves(g, split.len(), c, split.chunks_mut(dx), task)
     } else {
         if g.is_empty() {
             // Nothing to walk (and rows of no elements have no plane to find an image

@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd, MAX_LANES};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, scratch, with_arena, ChannelMajorSplit,
-    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile, ARENA_MIN_BYTES,
-    PREFETCH_BYTES, STREAM_BYTES,
+    channel_tiles, next_cyclic, pixels_per_tile, scratch, task_waves, with_arena,
+    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile,
+    ARENA_MIN_BYTES, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -1145,38 +1145,18 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
         merge_tasks(&mut total, &rest, parallel);
         return total;
     }
-    // At large C the tasks' moments, a wave of tasks at a time, merged into the total
-    // in task order (the first merged into empty moments: its own bits), in the
-    // calling thread's arena (one vector of C moments a task, 12.6 MB for NHWC
-    // 4096x1x1x8192's 64 tasks, had been fresh pages every call).
+    // At large C the tasks' moments in waves from the arena (`task_waves`), merged
+    // into the total in task order (the first merged into empty moments: its own bits).
     let mut total = vec![Moments::EMPTY; c];
-    let tasks = split.len();
-    let wave = (WAVE_BYTES / (c * std::mem::size_of::<Moments>()))
-        .max(4)
-        .min(tasks);
-    with_arena(|arena| {
-        let parts = arena.alloc_slice_fill_copy(wave * c, Moments::EMPTY);
-        for t0 in (0..tasks).step_by(wave) {
-            let t1 = (t0 + wave).min(tasks);
-            let parts = &mut parts[..(t1 - t0) * c];
-            parts.fill(Moments::EMPTY);
-            let run = |(i, out): (usize, &mut [Moments])| task(split.range(t0 + i), out);
-            if g.parallel() {
-                parts.par_chunks_mut(c).enumerate().for_each(run);
-            } else {
-                parts.chunks_mut(c).enumerate().for_each(run);
-            }
-            let parallel = g.parallel() && c > MERGE_BLOCK && parts.len() >= MERGE_PARALLEL;
-            let parts: Vec<&[Moments]> = parts.chunks_exact(c).collect();
-            merge_tasks(&mut total, &parts, parallel);
-        }
+    let items = vec![(); split.len()];
+    let run = |t: usize, _: (), out: &mut [Moments]| task(split.range(t), out);
+    task_waves(g, items, c, Moments::EMPTY, run, |parts| {
+        let parallel = g.parallel() && c > MERGE_BLOCK && parts.len() >= MERGE_PARALLEL;
+        let parts: Vec<&[Moments]> = parts.chunks_exact(c).collect();
+        merge_tasks(&mut total, &parts, parallel);
     });
     total
 }
-
-/// Bytes of per-task moments [`channels_last`] keeps at a time at large C (a wave of
-/// tasks, at least four): 10 tasks a wave at C = 8192.
-const WAVE_BYTES: usize = 2 << 20;
 
 /// `total[ch]` merged with every task's `rest[t][ch]` in task order. With `parallel`,
 /// the channels in blocks shared by the pool: the same bits as one loop, since each
