@@ -75,8 +75,11 @@ pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
 {
     let stream = g.stream(size_of::<T>());
     let row_len = g.row_len();
-    // Whether a channels-last task's pattern of constants may reach
-    // [`ARENA_MIN_BYTES`] (`K` rows of at least C values, twice with pairs).
+    // Whether a channels-last task's pattern of constants surely reaches
+    // [`ARENA_MIN_BYTES`] (`K` rows of at least C values, twice with pairs), and takes
+    // the thread's arena. A pattern whose period is a multiple of C (up to
+    // `MAX_PERIOD`) can reach it at smaller C (bf16 AVX2 at C = 1001: 192 KiB) and
+    // stays on the heap: not measured.
     let large = g.channels_last() && 2 * K * g.channels * size_of::<T::Stat>() >= ARENA_MIN_BYTES;
     for_each_row_chunk(g, out, |row0, out| {
         let ins = sub_n(&ins, row0 * row_len, Some(out.len()));
@@ -806,25 +809,19 @@ impl<'a, U: Real, const K: usize> Pattern<'a, U, K> {
         // The rows (in memory order, then laid out in pairs below), then with pairs the
         // memory-order copy (`single`), then the head's values; appended, not zeroed
         // first.
-        let fill = |push: &mut dyn FnMut(&[U])| {
-            for _ in 0..rows / K {
-                for k in consts {
-                    cycle(&mut *push, &k[..c], head, row);
-                }
-            }
-            for k in consts {
-                cycle(&mut *push, &k[..c], 0, head);
-            }
-        };
         let len = rows * row + K * head;
         let mut buf = if let Some(arena) = arena.filter(|_| len * size_of::<U>() >= ARENA_MIN_BYTES)
         {
             let mut v = bumpalo::collections::Vec::with_capacity_in(len, arena);
-            fill(&mut |part| v.extend_from_slice_copy(part));
+            fill(consts, c, (head, row, rows), &mut |part| {
+                v.extend_from_slice_copy(part)
+            });
             PatternBuf::Arena(v.into_bump_slice_mut())
         } else {
             let mut v = Vec::with_capacity(len);
-            fill(&mut |part| v.extend_from_slice(part));
+            fill(consts, c, (head, row, rows), &mut |part| {
+                v.extend_from_slice(part)
+            });
             PatternBuf::Heap(v)
         };
         let buf_mut: &mut [U] = match &mut buf {
@@ -899,7 +896,7 @@ impl<'a, U: Real, const K: usize> Pattern<'a, U, K> {
 }
 
 /// Where a [`Pattern`]'s values live: on the heap, or in the thread's arena where they
-/// take at least [`ARENA_MIN_BYTES`] (NHWC 4096x1x1x8192 bf16: 196 KiB a task, 128
+/// take at least [`ARENA_MIN_BYTES`] (NHWC 4096x1x1x8192 bf16: 192 KiB a task, 128
 /// tasks a call). Smaller patterns stay on the heap: from the arena every in-cache
 /// NHWC 16x7x7x2048 cell was slower (Zen 3, `scripts/ab.sh 7`, forward inference f32
 /// 1.87 of a copy against 1.31 and 1.36 from the heap), for a reason not found.
@@ -908,10 +905,29 @@ enum PatternBuf<'a, U> {
     Arena(&'a mut [U]),
 }
 
+/// A [`Pattern`]'s values in the order of its buffer, passed to `push`: `rows / K`
+/// times each constant's row of `row` values from channel `head` (in memory order; a
+/// second time for the pairs' memory-order copy), then each constant's `head` values.
+fn fill<U: Real, const K: usize>(
+    consts: [&[U]; K],
+    c: usize,
+    (head, row, rows): (usize, usize, usize),
+    push: &mut impl FnMut(&[U]),
+) {
+    for _ in 0..rows / K {
+        for k in consts {
+            cycle(push, &k[..c], head, row);
+        }
+    }
+    for k in consts {
+        cycle(push, &k[..c], 0, head);
+    }
+}
+
 /// Passes `len` elements of `k` repeated cyclically from index `start` to `push`: whole
 /// slices, no division per element (this runs once per task, and dominated small
 /// tensors).
-fn cycle<U: Real>(push: &mut dyn FnMut(&[U]), k: &[U], start: usize, len: usize) {
+fn cycle<U: Real>(push: &mut impl FnMut(&[U]), k: &[U], start: usize, len: usize) {
     if k.is_empty() {
         // No channels (no elements either): zeros keep the rows whole.
         for _ in 0..len {

@@ -2076,6 +2076,7 @@ mod tests {
     fn large_c_gradient_sums_match_the_tasks_and_f64() {
         let (pixels, c) = (300, 9_000);
         let g = Geometry::new(pixels, c, 1);
+        assert_eq!(PixelSplit::reduce(&g).len(), 5);
         let n = g.len();
         let dy: Vec<f32> = (0..n)
             .map(|i| ((i * 7919) % 1013) as f32 * 0.01 - 5.0)

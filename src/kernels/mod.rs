@@ -57,14 +57,34 @@ pub(crate) fn scratch<T: Clone, const N: usize>(v: T, n: usize) -> Scratch<T, N>
 /// told not to give memory back (`GLIBC_TUNABLES`, a trial). The arena keeps its
 /// largest block between tasks and calls, up to [`ARENA_KEEP_BYTES`].
 ///
-/// A call made while the arena is in use on this thread (a task run inside another's
-/// `f`, as rayon may when a kernel waits on the pool) gets an arena of its own.
+/// A call made while the arena is in use on this thread gets a fresh one (freed after:
+/// the heap's behaviour again). That happens when the caller is itself a task of the
+/// pool (a kernel called inside `rayon::ThreadPool::install` and the like, where the
+/// caller's thread may run tasks while it waits); [`task_waves`] keeps its results in
+/// an arena of their own, so the tasks it runs on the calling thread do not.
 pub(crate) fn with_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
     thread_local! {
         static ARENA: std::cell::RefCell<bumpalo::Bump> =
             std::cell::RefCell::new(bumpalo::Bump::new());
     }
-    ARENA.with(|cell| match cell.try_borrow_mut() {
+    ARENA.with(|cell| in_arena(cell, f))
+}
+
+/// [`with_arena`] for the per-task results of [`task_waves`]: an arena of its own,
+/// so that the tasks the calling thread runs itself (all of them on a pool of one
+/// thread) still find theirs free.
+fn with_wave_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
+    thread_local! {
+        static WAVES: std::cell::RefCell<bumpalo::Bump> =
+            std::cell::RefCell::new(bumpalo::Bump::new());
+    }
+    WAVES.with(|cell| in_arena(cell, f))
+}
+
+/// `f` with the arena in `cell`, emptied first (a fresh one if it is in use), which
+/// keeps its largest block after, up to [`ARENA_KEEP_BYTES`].
+fn in_arena<R>(cell: &std::cell::RefCell<bumpalo::Bump>, f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
+    match cell.try_borrow_mut() {
         Ok(mut arena) => {
             arena.reset();
             let r = f(&arena);
@@ -74,7 +94,7 @@ pub(crate) fn with_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
             r
         }
         Err(_) => f(&bumpalo::Bump::new()),
-    })
+    }
 }
 
 /// The most bytes a thread's kernel arena keeps between calls ([`with_arena`]): more
@@ -92,7 +112,9 @@ pub(crate) const ARENA_MIN_BYTES: usize = 128 << 10;
 /// large C), in parallel when `g` is large, `out` a slice of `width` copies of `zero`;
 /// after each wave of tasks, `merge(parts)` with the wave's results in task order
 /// (`width` each). The waves' results live in the calling thread's arena
-/// ([`with_arena`]), a wave [`WAVE_BYTES`] at most (and at least four tasks): a vector
+/// (its own arena, as [`with_arena`]), a wave [`WAVE_BYTES`] at most but at least four
+/// tasks (past [`ARENA_KEEP_BYTES`] from C ≈ 87,000 in the statistics, where the
+/// arena is given back each call: not measured): a vector
 /// of results a task, allocated and freed each call, had been fresh pages every call
 /// (12.6 MB of moments for NHWC 4096x1x1x8192's 64 statistics tasks). `items`: one
 /// per task (a task's piece of an output), handed to its task.
@@ -113,7 +135,7 @@ pub(crate) fn task_waves<I, R, F, M>(
     let width = width.max(1);
     let wave = (WAVE_BYTES / (width * std::mem::size_of::<R>()).max(1)).clamp(4, n.max(4));
     let mut items = items.into_iter();
-    with_arena(|arena| {
+    with_wave_arena(|arena| {
         let parts = arena.alloc_slice_fill_copy(wave.min(n) * width, zero);
         for t0 in (0..n).step_by(wave) {
             let t1 = (t0 + wave).min(n);
