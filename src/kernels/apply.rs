@@ -17,7 +17,7 @@ use super::simd::{
     load_n, load_partial_n, splat_n, sub_n, Dispatch, Isa, Kernel, Reads, Simd, Walk,
 };
 use super::{
-    for_each_row_chunk, next_cyclic, with_arena, Geometry, ARENA_MIN_BYTES, MAX_PERIOD,
+    arena_if, for_each_row_chunk, next_cyclic, Geometry, ARENA_MIN_BYTES, MAX_PERIOD,
     STREAM_ROW_BYTES,
 };
 use crate::element::{DType, Element, Real};
@@ -98,11 +98,7 @@ pub(crate) fn elementwise<T: Element, F, const N: usize, const K: usize>(
                 },
             )
         };
-        if large {
-            with_arena(|arena| run(out, Some(arena)));
-        } else {
-            run(out, None);
-        }
+        arena_if(large, |arena| run(out, arena));
     });
 }
 

@@ -13,9 +13,9 @@ use super::simd::{
     MAX_LANES,
 };
 use super::{
-    channel_tiles, pixels_per_tile, scratch, short_period, task_waves, with_arena,
-    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows,
-    ARENA_MIN_BYTES, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
+    arena_if, channel_tiles, pixels_per_tile, scratch, short_period, task_waves, ChannelMajorSplit,
+    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, ARENA_MIN_BYTES,
+    IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -161,11 +161,7 @@ pub fn reduce<T: Element>(
                     },
                 )
             };
-            if large {
-                with_arena(|a| run(Some(a)));
-            } else {
-                run(None);
-            }
+            arena_if(large, run);
         };
         if !large {
             let partials = split.map(g, |range| {

@@ -30,7 +30,7 @@ use super::backward::{
 use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
 use super::{
-    apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed, with_arena,
+    apply, arena_if, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
     ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, RowOrder, Scratch, TaskRows, Tile,
     ARENA_MIN_BYTES, RESIDENT_BYTES, TILE,
 };
@@ -1341,11 +1341,7 @@ pub fn backward_inference<T: Element>(
                     },
                 )
             };
-            if large {
-                with_arena(|a| run(Some(a)));
-            } else {
-                run(None);
-            }
+            arena_if(large, run);
         };
         if !large {
             let partials = map_items(g, split.chunks_mut(dx), |t, out| {

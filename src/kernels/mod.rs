@@ -70,6 +70,16 @@ pub(crate) fn with_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
     ARENA.with(|cell| in_arena(cell, f))
 }
 
+/// `f` with this thread's arena where `large` ([`with_arena`]), with none (the heap)
+/// otherwise: the one switch of every kernel that takes C-sized scratch from it.
+pub(crate) fn arena_if<R>(large: bool, f: impl FnOnce(Option<&bumpalo::Bump>) -> R) -> R {
+    if large {
+        with_arena(|arena| f(Some(arena)))
+    } else {
+        f(None)
+    }
+}
+
 /// [`with_arena`] for the per-task results of [`task_waves`]: an arena of its own,
 /// so that the tasks the calling thread runs itself (all of them on a pool of one
 /// thread) still find theirs free.

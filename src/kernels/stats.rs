@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd, MAX_LANES};
 use super::{
-    channel_tiles, next_cyclic, pixels_per_tile, scratch, task_waves, with_arena,
-    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile,
-    ARENA_MIN_BYTES, PREFETCH_BYTES, STREAM_BYTES,
+    arena_if, channel_tiles, next_cyclic, pixels_per_tile, scratch, task_waves, ChannelMajorSplit,
+    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile, ARENA_MIN_BYTES,
+    PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -1115,11 +1115,7 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
                 },
             )
         };
-        if large {
-            with_arena(|arena| run(out, Some(arena)));
-        } else {
-            run(out, None);
-        }
+        arena_if(large, |arena| run(out, arena));
     };
     let split = PixelSplit::reduce(g);
     if split.len() <= 1 {
