@@ -45,6 +45,24 @@ pub(crate) fn scratch<T: Clone, const N: usize>(v: T, n: usize) -> Scratch<T, N>
     smallvec::SmallVec::from_elem(v, n)
 }
 
+/// `n` copies of `v` from `arena` where given (large C, see [`with_arena`]), else as
+/// [`scratch`] kept in `buf` (which the caller declares empty, to outlive the slice).
+#[inline(always)]
+pub(crate) fn scratch_in<'a, T: Copy, const N: usize>(
+    arena: Option<&'a bumpalo::Bump>,
+    buf: &'a mut Scratch<T, N>,
+    v: T,
+    n: usize,
+) -> &'a mut [T] {
+    match arena {
+        Some(a) => a.alloc_slice_fill_copy(n, v),
+        None => {
+            *buf = scratch(v, n);
+            buf
+        }
+    }
+}
+
 /// Runs `f` with this thread's kernel arena, emptied first: scratch that grows with C
 /// (a channels-last task's per-channel sums, pivots and pattern of constants) is taken
 /// from it instead of the heap.
