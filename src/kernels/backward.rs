@@ -13,9 +13,9 @@ use super::simd::{
     MAX_LANES,
 };
 use super::{
-    arena_if, channel_tiles, pixels_per_tile, scratch, scratch_in, short_period, task_waves,
-    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows,
-    ARENA_MIN_BYTES, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
+    arena_if, channel_tiles, pixels_per_tile, scratch, short_period, task_waves, ChannelMajorSplit,
+    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, ARENA_MIN_BYTES,
+    IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -1622,13 +1622,25 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // Scratch on the stack for few channel groups (small tensors paid about ten
     // allocations a call here and in the callers), from the thread's arena where given
     // (large C: from the heap, fresh pages a task; see `with_arena`).
-    let (mut heap_mean, mut heap_k1) = (
-        Scratch::<_, { 8 * MAX_LANES }>::new(),
-        Scratch::<_, { 8 * MAX_LANES }>::new(),
+    let (mut heap_mean, mut heap_k1): (
+        Scratch<U, { 8 * MAX_LANES }>,
+        Scratch<U, { 8 * MAX_LANES }>,
     );
-    let mean_p = scratch_in(arena, &mut heap_mean, U::ZERO, groups * l);
+    let mean_p: &mut [U] = match arena {
+        Some(a) => a.alloc_slice_fill_copy(groups * l, U::ZERO),
+        None => {
+            heap_mean = scratch(U::ZERO, groups * l);
+            &mut heap_mean
+        }
+    };
     mean_p[..mean.len()].copy_from_slice(mean);
-    let k1_p = scratch_in(arena, &mut heap_k1, U::ZERO, groups * l);
+    let k1_p: &mut [U] = match arena {
+        Some(a) => a.alloc_slice_fill_copy(groups * l, U::ZERO),
+        None => {
+            heap_k1 = scratch(U::ZERO, groups * l);
+            &mut heap_k1
+        }
+    };
     if let Some((_, k1)) = &dx {
         k1_p[..k1.len()].copy_from_slice(k1);
     }
@@ -1663,16 +1675,28 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let rotated = stream && dx.is_some() && c.is_multiple_of(l);
     let period = short.or(rotated.then_some(groups));
     let width = groups.max(period.unwrap_or(0));
-    let (mut a_buf, mut b_buf, mut lanes_buf) = (
-        Scratch::<_, 16>::new(),
-        Scratch::<_, 16>::new(),
-        Scratch::<_, { 2 * 16 * MAX_LANES }>::new(),
+    let (mut a_buf, mut b_buf, mut lanes_buf): (
+        Scratch<S::V, 16>,
+        Scratch<S::V, 16>,
+        Scratch<U, { 2 * 16 * MAX_LANES }>,
     );
     // Slices taken once: each use of a `Scratch` tests where its elements are (+5k
     // instructions a 2x8x8x32 Ex backward call when the loops indexed them).
-    let a = scratch_in(arena, &mut a_buf, zero, width);
-    let b = scratch_in(arena, &mut b_buf, zero, width);
-    let lanes = scratch_in(arena, &mut lanes_buf, U::ZERO, 2 * width * l);
+    let (a, b, lanes): (&mut [S::V], &mut [S::V], &mut [U]) = match arena {
+        Some(ar) => (
+            ar.alloc_slice_fill_copy(width, zero),
+            ar.alloc_slice_fill_copy(width, zero),
+            ar.alloc_slice_fill_copy(2 * width * l, U::ZERO),
+        ),
+        None => {
+            (a_buf, b_buf, lanes_buf) = (
+                scratch(zero, width),
+                scratch(zero, width),
+                scratch(U::ZERO, 2 * width * l),
+            );
+            (&mut a_buf, &mut b_buf, &mut lanes_buf)
+        }
+    };
     let mut pc: Option<PeriodConsts<U>> = None;
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,

@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use super::simd::{Dispatch, Isa, Kernel, Reads, Simd, MAX_LANES};
 use super::{
-    arena_if, channel_tiles, next_cyclic, pixels_per_tile, scratch, scratch_in, task_waves,
-    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile,
-    ARENA_MIN_BYTES, PREFETCH_BYTES, STREAM_BYTES,
+    arena_if, channel_tiles, next_cyclic, pixels_per_tile, scratch, task_waves, ChannelMajorSplit,
+    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, Tile, ARENA_MIN_BYTES,
+    PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -490,21 +490,38 @@ impl<T: Element> Kernel<T::Stat> for PixelMoments<'_, T> {
         // allocations a task, and still counted with three. From the thread's arena
         // (`self.arena`, given at large C only) where the heap handed each task fresh
         // pages (see `with_arena`).
-        let (mut heap_vectors, mut heap_lanes, mut heap_columns) = (
-            Scratch::<_, 32>::new(),
-            Scratch::<_, { 3 * 8 * MAX_LANES }>::new(),
-            Scratch::<_, { 3 * 64 }>::new(),
+        let (mut heap_vectors, mut heap_lanes, mut heap_columns): (
+            Scratch<S::V, 32>,
+            Scratch<T::Stat, { 3 * 8 * MAX_LANES }>,
+            Scratch<f64, { 3 * 64 }>,
         );
-        let ar = self.arena;
-        let vectors = scratch_in(ar, &mut heap_vectors, zero, groups + 3 * sets * groups);
+        let vectors: &mut [S::V] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(groups + 3 * sets * groups, zero),
+            None => {
+                heap_vectors = scratch(zero, groups + 3 * sets * groups);
+                &mut heap_vectors
+            }
+        };
         let (pivot, acc) = vectors.split_at_mut(groups);
-        let lanes = scratch_in(ar, &mut heap_lanes, T::Stat::ZERO, 3 * groups * l);
+        let lanes: &mut [T::Stat] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(3 * groups * l, T::Stat::ZERO),
+            None => {
+                heap_lanes = scratch(T::Stat::ZERO, 3 * groups * l);
+                &mut heap_lanes
+            }
+        };
         // Per channel, the f64 sums around the task's pivot of the tiles accepted so
         // far (count, Σd, Σd²: plain additions, no division per tile), as three columns
         // so that a tile whose channels are all accepted is flushed in vector loops
         // (perf, 16x7x7x2048 f32: the per-channel flush was a fifth of the pass); and,
         // allocated only when a tile needs one, the moments of tiles redone exactly.
-        let columns = scratch_in(ar, &mut heap_columns, 0.0f64, 3 * c);
+        let columns: &mut [f64] = match self.arena {
+            Some(arena) => arena.alloc_slice_fill_copy(3 * c, 0.0f64),
+            None => {
+                heap_columns = scratch(0.0f64, 3 * c);
+                &mut heap_columns
+            }
+        };
         let (count, rest) = columns.split_at_mut(c);
         let (s1, s2) = rest.split_at_mut(c);
         let mut exact: Vec<Moments> = Vec::new();
