@@ -115,11 +115,17 @@ fn reduce_in<T: Element>(
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
         let split = PixelSplit::reduce(geo);
-        // At large C a task's six sums (48 bytes a channel) and its scratch come from
-        // the threads' arenas (`task_waves`, `arena_if`): from the heap they were fresh
-        // pages every task (NHWC 4096x1x1x8192 bf16 second-order training: ~5,800 page
-        // faults a call).
-        let large = c * size_of::<Six>() >= ARENA_MIN_BYTES;
+        // At large C a task's six sums and its scratch come from the threads' arenas
+        // (`task_waves`, `arena_if`): from the heap they were fresh pages every task
+        // (NHWC 4096x1x1x8192 bf16 second-order training: ~5,800 page faults a call).
+        // From C = 8192, as the backward sums (two `f64` vectors of C at 128 KiB), not
+        // where the six sums reach 128 KiB (C = 2731): in cache, with the arena from
+        // there, NHWC 16x7x7x3072 and 16x7x7x4096 took 6–21 % longer a call in 6 of 8
+        // cells (`scripts/ab.sh 5`, ms, both ops, f32 and bf16; the f32 4096 cells
+        // between the heap's runs), and f32 16x7x7x3072 longer in each of 8 further
+        // pairs (1–29 %); the copies' times drifted too much for their ratios to say.
+        // Not explained (the heap's blocks there came back without faults).
+        let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
         let task = |r: std::ops::Range<usize>, out: &mut [Six]| {
             let ins = [&g[r.clone()], &x[r.clone()], &a[r]];
             arena_if(large, |arena| {
@@ -534,9 +540,10 @@ pub fn apply<T: Element>(
 ) {
     let ([g, x, a], (d_g, d_x)) = (ins, outs);
     let row_len = geo.row_len();
-    // At large C the channel groups' constants (8 values a channel) come from the
-    // thread's arena: from the heap they were fresh pages every task.
-    let large = geo.channels_last() && geo.channels * 8 * size_of::<T::Stat>() >= ARENA_MIN_BYTES;
+    // At large C (from 8192, as the reduction) the channel groups' constants (8 values
+    // a channel) come from the thread's arena: from the heap they were fresh pages
+    // every task.
+    let large = geo.channels_last() && 2 * geo.channels * size_of::<f64>() >= ARENA_MIN_BYTES;
     for_each_row_chunk_pair(geo, d_g, d_x, |row0, dg, dx| {
         let ins = sub_n(&[g, x, a], row0 * row_len, Some(dg.len()));
         arena_if(large, |arena| {
@@ -961,7 +968,7 @@ mod tests {
         check::<half::f16>();
     }
 
-    /// At large C (48 bytes of sums a channel, at least 128 KiB: C ≥ 2,731) the
+    /// At large C (C ≥ 8192) the
     /// channels-last tasks' sums come in waves from the arena, and each task's scratch
     /// too. The total must still be each task's sums added in task order, bit for bit,
     /// over two waves (C = 22,000: four tasks a wave, five tasks). In the even channels
