@@ -79,7 +79,7 @@ pub(crate) fn scratch_in<'a, T: Copy, const N: usize>(
 /// the heap's behaviour again). That happens when the caller is itself a task of the
 /// pool (a kernel called inside `rayon::ThreadPool::install` and the like, where the
 /// caller's thread may run tasks while it waits); [`task_waves`] keeps its results in
-/// an arena of their own, so the tasks it runs on the calling thread do not.
+/// a buffer of their own, so the tasks it runs on the calling thread do not.
 pub(crate) fn with_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
     thread_local! {
         static ARENA: std::cell::RefCell<bumpalo::Bump> =
@@ -98,15 +98,32 @@ pub(crate) fn arena_if<R>(large: bool, f: impl FnOnce(Option<&bumpalo::Bump>) ->
     }
 }
 
-/// [`with_arena`] for the per-task results of [`task_waves`]: an arena of its own,
-/// so that the tasks the calling thread runs itself (all of them on a pool of one
-/// thread) still find theirs free.
-fn with_wave_arena<R>(f: impl FnOnce(&bumpalo::Bump) -> R) -> R {
+/// `f` with `len` values of the calling thread's buffer of [`task_waves`] results,
+/// kept between calls (as long as it is at most [`ARENA_KEEP_BYTES`]), not the
+/// thread's arena, so that the tasks run on this thread still find that free. Its
+/// values are those the last call left (`zero` where it grew): each task zeroes its
+/// own results, on its own thread. (Zeroed on this one first, from an arena, the
+/// results of the tasks run on the other core were lines they had to fetch from L3;
+/// see `task_waves`.) A nested call (a task of the pool calling a kernel) finds no
+/// buffer and makes its own.
+fn with_wave_buffer<R: Copy + 'static, T>(len: usize, zero: R, f: impl FnOnce(&mut [R]) -> T) -> T {
     thread_local! {
-        static WAVES: std::cell::RefCell<bumpalo::Bump> =
-            std::cell::RefCell::new(bumpalo::Bump::new());
+        static WAVES: std::cell::Cell<Option<Box<dyn std::any::Any>>> =
+            const { std::cell::Cell::new(None) };
     }
-    WAVES.with(|cell| in_arena(cell, f))
+    let mut buf: Vec<R> = WAVES
+        .with(|w| w.take())
+        .and_then(|b| b.downcast::<Vec<R>>().ok())
+        .map(|b| *b)
+        .unwrap_or_default();
+    if buf.len() < len {
+        buf.resize(len, zero);
+    }
+    let r = f(&mut buf[..len]);
+    if std::mem::size_of_val(&buf[..]) <= ARENA_KEEP_BYTES {
+        WAVES.with(|w| w.set(Some(Box::new(buf))));
+    }
+    r
 }
 
 /// `f` with the arena in `cell`, emptied first (a fresh one if it is in use), which
@@ -139,14 +156,14 @@ pub(crate) const ARENA_MIN_BYTES: usize = 128 << 10;
 /// at least [`ARENA_MIN_BYTES`] (`width` values each: a channels-last reduction at
 /// large C), in parallel when `g` is large, `out` a slice of `width` copies of `zero`;
 /// after each wave of tasks, `merge(parts)` with the wave's results in task order
-/// (`width` each). The waves' results live in the calling thread's arena
-/// (its own arena, as [`with_arena`]), a wave [`WAVE_BYTES`] at most but at least four
-/// tasks (past [`ARENA_KEEP_BYTES`] from C ≈ 87,000 in the statistics and C ≈ 43,700
-/// in the second-order sums, where the arena is given back each call: not measured):
-/// a vector
-/// of results a task, allocated and freed each call, had been fresh pages every call
-/// (12.6 MB of moments for NHWC 4096x1x1x8192's 64 statistics tasks). `items`: one
-/// per task (a task's piece of an output), handed to its task.
+/// (`width` each), each task's `out` zeroed by the task. The waves' results live in
+/// the calling thread's buffer ([`with_wave_buffer`]), a wave [`WAVE_BYTES`] at most
+/// but at least four tasks (past [`ARENA_KEEP_BYTES`] from C ≈ 87,000 in the
+/// statistics and C ≈ 43,700 in the second-order sums, where the buffer is dropped
+/// after each call: not measured): a vector of results a task, allocated and freed
+/// each call, had been fresh pages every call (12.6 MB of moments for NHWC
+/// 4096x1x1x8192's 64 statistics tasks). `items`: one per task (a task's piece of an
+/// output), handed to its task.
 pub(crate) fn task_waves<I, R, F, M>(
     g: &Geometry,
     items: Vec<I>,
@@ -156,7 +173,7 @@ pub(crate) fn task_waves<I, R, F, M>(
     mut merge: M,
 ) where
     I: Send,
-    R: Copy + Send + Sync,
+    R: Copy + Send + Sync + 'static,
     F: Fn(usize, I, &mut [R]) + Sync + Send,
     M: FnMut(&[R]),
 {
@@ -164,14 +181,17 @@ pub(crate) fn task_waves<I, R, F, M>(
     let width = width.max(1);
     let wave = (WAVE_BYTES / (width * std::mem::size_of::<R>()).max(1)).clamp(4, n.max(4));
     let mut items = items.into_iter();
-    with_wave_arena(|arena| {
-        let parts = arena.alloc_slice_fill_copy(wave.min(n) * width, zero);
+    with_wave_buffer(wave.min(n) * width, zero, |parts| {
         for t0 in (0..n).step_by(wave) {
             let t1 = (t0 + wave).min(n);
             let parts = &mut parts[..(t1 - t0) * width];
-            parts.fill(zero);
             let wave_items: Vec<I> = items.by_ref().take(t1 - t0).collect();
-            let run = |(i, (item, out)): (usize, (I, &mut [R]))| task(t0 + i, item, out);
+            // Each task zeroes its results where it runs: they stay in that core's
+            // cache for the task's sums.
+            let run = |(i, (item, out)): (usize, (I, &mut [R]))| {
+                out.fill(zero);
+                task(t0 + i, item, out)
+            };
             if g.parallel() {
                 wave_items
                     .into_par_iter()
