@@ -58,9 +58,9 @@ impl BackwardSums {
 
     /// The channel-by-channel total of the sums of `n` tasks (`task(t, item, sums)` adds
     /// task `t`'s to zeros), added in task order: [`BackwardSums::total`]'s bits (its
-    /// first task plus 0.0 is zeros plus it), with the tasks' sums in waves from the
-    /// calling thread's arena ([`task_waves`]): for large C, where a pair of vectors a
-    /// task had been fresh pages every call.
+    /// first task plus 0.0 is zeros plus it), with the tasks' sums in waves in the
+    /// calling thread's buffer of them ([`task_waves`]): for large C, where a pair of
+    /// vectors a task had been fresh pages every call.
     pub(crate) fn in_waves<I: Send>(
         g: &Geometry,
         n: usize,
@@ -2035,7 +2035,7 @@ mod tests {
     }
 
     /// [`BackwardSums::in_waves`] (large C: the tasks' sums a wave at a time in the
-    /// arena) adds the tasks' sums in task order: [`BackwardSums::total`]'s bits, over
+    /// calling thread's buffer) adds the tasks' sums in task order: [`BackwardSums::total`]'s bits, over
     /// three waves, with sums of magnitudes that make the order show.
     #[test]
     fn in_waves_adds_the_tasks_in_order_bit_for_bit() {

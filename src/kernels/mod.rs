@@ -98,30 +98,41 @@ pub(crate) fn arena_if<R>(large: bool, f: impl FnOnce(Option<&bumpalo::Bump>) ->
     }
 }
 
-/// `f` with `len` values of the calling thread's buffer of [`task_waves`] results,
-/// kept between calls (as long as it is at most [`ARENA_KEEP_BYTES`]), not the
-/// thread's arena, so that the tasks run on this thread still find that free. Its
-/// values are those the last call left (`zero` where it grew): each task zeroes its
-/// own results, on its own thread. (Zeroed on this one first, from an arena, the
-/// results of the tasks run on the other core were lines they had to fetch from L3;
-/// see `task_waves`.) A nested call (a task of the pool calling a kernel) finds no
-/// buffer and makes its own.
+/// `f` with `len` values of the calling thread's buffer of [`task_waves`] results of
+/// type `R`, kept between calls, one per type (the statistics' `Moments`, the backward
+/// sums' `f64`, the second-order sums' `[f64; 6]`: a training step or a second-order
+/// call takes two in turn), each while its allocation is at most
+/// [`ARENA_KEEP_BYTES`]. Not the thread's arena, so that the tasks run on this thread
+/// still find that free. Its values are those the last call left (`zero` where it
+/// grew): each task zeroes its own results, on its own thread. (Zeroed on this one
+/// first, from an arena, the results of the tasks run on the other core were lines
+/// they had to fetch from L3; see `task_waves`.) A nested call of the same type (a
+/// task of the pool calling a kernel on this thread) finds none and makes its own.
 fn with_wave_buffer<R: Copy + 'static, T>(len: usize, zero: R, f: impl FnOnce(&mut [R]) -> T) -> T {
+    use std::any::Any;
     thread_local! {
-        static WAVES: std::cell::Cell<Option<Box<dyn std::any::Any>>> =
-            const { std::cell::Cell::new(None) };
+        static WAVES: std::cell::Cell<Vec<Box<dyn Any>>> = const { std::cell::Cell::new(Vec::new()) };
     }
-    let mut buf: Vec<R> = WAVES
-        .with(|w| w.take())
-        .and_then(|b| b.downcast::<Vec<R>>().ok())
-        .map(|b| *b)
-        .unwrap_or_default();
+    let mut kept = WAVES.with(|w| w.take());
+    let mut buf: Vec<R> = match kept.iter().position(|b| b.is::<Vec<R>>()) {
+        Some(i) => kept
+            .swap_remove(i)
+            .downcast::<Vec<R>>()
+            .map_or_else(|_| Vec::new(), |b| *b),
+        None => Vec::new(),
+    };
+    // The others back for calls `f` makes (none of the callers does).
+    WAVES.with(|w| w.set(kept));
     if buf.len() < len {
+        buf.reserve_exact(len - buf.len());
         buf.resize(len, zero);
     }
     let r = f(&mut buf[..len]);
-    if std::mem::size_of_val(&buf[..]) <= ARENA_KEEP_BYTES {
-        WAVES.with(|w| w.set(Some(Box::new(buf))));
+    if buf.capacity() * std::mem::size_of::<R>() <= ARENA_KEEP_BYTES {
+        let mut kept = WAVES.with(|w| w.take());
+        kept.retain(|b| !b.is::<Vec<R>>());
+        kept.push(Box::new(buf));
+        WAVES.with(|w| w.set(kept));
     }
     r
 }
@@ -142,7 +153,8 @@ fn in_arena<R>(cell: &std::cell::RefCell<bumpalo::Bump>, f: impl FnOnce(&bumpalo
     }
 }
 
-/// The most bytes a thread's kernel arena keeps between calls ([`with_arena`]): more
+/// The most bytes a thread's kernel arena keeps between calls ([`with_arena`]), and
+/// each of its buffers of wave results ([`with_wave_buffer`]): more
 /// than the statistics' scratch of a channels-last task at C = 65,536 (3.3 MiB with
 /// AVX2: 52 bytes a channel); past it each call gets fresh memory again.
 const ARENA_KEEP_BYTES: usize = 8 << 20;

@@ -115,8 +115,9 @@ fn reduce_in<T: Element>(
     let c = geo.channels;
     let per: Vec<Six> = if geo.channels_last() {
         let split = PixelSplit::reduce(geo);
-        // At large C a task's six sums and its scratch come from the threads' arenas
-        // (`task_waves`, `arena_if`): from the heap they were fresh pages every task
+        // At large C a task's six sums come in waves in the calling thread's buffer
+        // (`task_waves`) and its scratch from its thread's arena (`arena_if`): from the
+        // heap they were fresh pages every task
         // (NHWC 4096x1x1x8192 bf16 second-order training: ~5,800 page faults a call).
         // From C = 8192, as the backward sums (two `f64` vectors of C at 128 KiB), not
         // where the six sums reach 128 KiB (C = 2731): in cache, with the arena from
@@ -968,9 +969,8 @@ mod tests {
         check::<half::f16>();
     }
 
-    /// At large C (C ≥ 8192) the
-    /// channels-last tasks' sums come in waves from the arena, and each task's scratch
-    /// too. The total must still be each task's sums added in task order, bit for bit,
+    /// At large C (C ≥ 8192) the channels-last tasks' sums come in waves
+    /// (`task_waves`), each task's scratch from the arena. The total must still be each task's sums added in task order, bit for bit,
     /// over two waves (C = 22,000: four tasks a wave, five tasks). In the even channels
     /// every other task's data is 2^40 times the rest's, so that adding the tasks'
     /// `Σg'`, `ΣA'` and `Σxc` rounds and their order shows (it fails with a wave's tasks

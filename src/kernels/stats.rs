@@ -1141,7 +1141,8 @@ fn channels_last<T: Element>(g: &Geometry, isa: Isa, x: &[T]) -> Vec<Moments> {
         merge_tasks(&mut total, &rest, parallel);
         return total;
     }
-    // At large C the tasks' moments in waves from the arena (`task_waves`), merged
+    // At large C the tasks' moments in waves (`task_waves`: the calling thread's buffer
+    // of them, kept between calls), merged
     // into the total in task order (the first merged into empty moments: its own bits).
     let mut total = vec![Moments::EMPTY; c];
     let items = vec![(); split.len()];
