@@ -736,11 +736,31 @@ fn whole_vectors<U: Real, S: Simd<U>, T: Element<Stat = U>, const SPLAT: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::{PixelSums, RowOrder, Six};
+    use super::{PixelSums, RowOrder, SecondOrderCoeffs, Six};
     use crate::element::{Element, Real};
     use crate::kernels::simd::{Dispatch, Isa};
     use crate::kernels::Geometry;
     use half::bf16;
+
+    /// Constants of `c` channels for the elementwise pass: channel `ch`'s `j`-th (in
+    /// [`SecondOrderCoeffs::array`]'s order) is `value(ch * 8 + j)`.
+    fn coeffs<U: Copy>(c: usize, value: impl Fn(usize) -> U) -> Vec<SecondOrderCoeffs<U>> {
+        (0..c)
+            .map(|ch| {
+                let f = |j: usize| value(ch * 8 + j);
+                SecondOrderCoeffs {
+                    mean: f(0),
+                    a_mean: f(1),
+                    g_mean: f(2),
+                    c1: f(3),
+                    c2: f(4),
+                    b: f(5),
+                    e2: f(6),
+                    e3: f(7),
+                }
+            })
+            .collect()
+    }
 
     /// The channels-last reduction one channel group at a time (few groups) must give
     /// the bits of the pixel-at-a-time loop, on every ISA: C below, at and above a
@@ -925,21 +945,7 @@ mod tests {
                         t[last(i)] = *v;
                     }
                 }
-                let k: Vec<super::SecondOrderCoeffs<T::Stat>> = (0..c)
-                    .map(|ch| {
-                        let f = |j: usize| T::Stat::from_f64(0.5 + 0.125 * (ch * 8 + j) as f64);
-                        super::SecondOrderCoeffs {
-                            mean: f(0),
-                            a_mean: f(1),
-                            g_mean: f(2),
-                            c1: f(3),
-                            c2: f(4),
-                            b: f(5),
-                            e2: f(6),
-                            e3: f(7),
-                        }
-                    })
-                    .collect();
+                let k = coeffs(c, |i| T::Stat::from_f64(0.5 + 0.125 * i as f64));
                 for isa in Isa::supported() {
                     let run = |geo: Geometry, ins: &[Vec<T>; 3]| {
                         let (mut dg, mut dx) =
@@ -980,7 +986,7 @@ mod tests {
     /// their scratch from an arena give the heap's bits, the elementwise pass included.
     #[test]
     fn large_c_sums_are_the_tasks_added_in_order_bit_for_bit() {
-        use super::{reduce, Apply, SecondOrderCoeffs, SecondOrderSums};
+        use super::{reduce, Apply, SecondOrderSums};
         use crate::kernels::PixelSplit;
         let (pixels, c) = (300, 22_000);
         let geo = Geometry::new(pixels, c, 1);
@@ -1072,21 +1078,7 @@ mod tests {
                 .flatten()
                 .zip(arena.iter().flatten())
                 .all(|(p, q)| p.to_bits() == q.to_bits()));
-            let k: Vec<SecondOrderCoeffs<f32>> = (0..c)
-                .map(|ch| {
-                    let f = |j: usize| 0.5 + 0.125 * ((ch * 8 + j) % 29) as f32;
-                    SecondOrderCoeffs {
-                        mean: f(0),
-                        a_mean: f(1),
-                        g_mean: f(2),
-                        c1: f(3),
-                        c2: f(4),
-                        b: f(5),
-                        e2: f(6),
-                        e3: f(7),
-                    }
-                })
-                .collect();
+            let k = coeffs(c, |i| 0.5 + 0.125 * (i % 29) as f32);
             let one = Geometry::new(per_task, c, 1);
             let pass = |arena: Option<&bumpalo::Bump>| {
                 let (mut dg, mut dx) = (vec![bf16::ZERO; r.len()], vec![bf16::ZERO; r.len()]);
