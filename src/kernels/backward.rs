@@ -13,9 +13,9 @@ use super::simd::{
     MAX_LANES,
 };
 use super::{
-    arena_if, channel_tiles, pixels_per_tile, scratch, short_period, task_waves, ChannelMajorSplit,
-    ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows, ARENA_MIN_BYTES,
-    IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
+    arena_if, channel_tiles, map_items, pixels_per_tile, scratch, short_period, task_waves,
+    ChannelMajorSplit, ChannelTask, Geometry, NoPace, Pace, PixelSplit, Scratch, TaskRows,
+    ARENA_MIN_BYTES, IMAGE_BLOCK_CHANNELS, PREFETCH_BYTES, STREAM_BYTES,
 };
 use crate::element::{Element, Real};
 
@@ -128,7 +128,6 @@ pub fn reduce<T: Element>(
     let GradData { dy, mask, x } = data;
     debug_assert!(dy.len() == g.len() && x.len() == g.len() && mean.len() == g.channels);
     if g.channels_last() {
-        let c = g.channels;
         // Every input together under a fixed size, not this machine's cache: the
         // summation order (and with it the last bits) depends on the shape and dtype
         // alone. (With x alone counted, 16x28x28x512 bf16, 26 MB of dy and x, went 1.4
@@ -141,39 +140,7 @@ pub fn reduce<T: Element>(
         } else {
             Quads::No
         };
-        let split = PixelSplit::reduce(g);
-        let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
-        // The sums of the task of elements `range` added to `sums`.
-        let task = |range: std::ops::Range<usize>, sums: (&mut [f64], &mut [f64])| {
-            let run = |arena: Option<&bumpalo::Bump>| {
-                T::Stat::dispatch(
-                    isa,
-                    PixelSums {
-                        dy: &dy[range.clone()],
-                        mask: mask.map(|m| &m[range.clone()]),
-                        x: &x[range.clone()],
-                        mean,
-                        dx: None,
-                        stream: false,
-                        quads,
-                        sums,
-                        arena,
-                    },
-                )
-            };
-            arena_if(large, run);
-        };
-        if !large {
-            let partials = split.map(g, |range| {
-                let mut sums = BackwardSums::zeros(c);
-                task(range, (&mut sums.sum_dy, &mut sums.sum_dy_xc));
-                sums
-            });
-            return BackwardSums::total(c, partials);
-        }
-        BackwardSums::in_waves(g, split.len(), c, vec![(); split.len()], |t, (), sums| {
-            task(split.range(t), sums)
-        })
+        pixel_task_sums(g, isa, data, mean, None, false, quads)
     } else {
         let per = ChannelMajorSplit::new(g).map_channels(
             g,
@@ -194,6 +161,67 @@ pub fn reduce<T: Element>(
         );
         BackwardSums::from_pairs(&per)
     }
+}
+
+/// The backward sums of a channels-last tensor by pixel tasks ([`PixelSplit::reduce`]),
+/// each task's [`PixelSums`] (walking its pixels as `quads` says) added in task order;
+/// with `dx = Some((dx, k1))`, each task also writes its pixels of `dx = dy·k1` (with
+/// non-temporal stores where `stream`). The one driver of [`reduce`] and
+/// `fused::backward_inference` over channels-last tensors: at large C (where a task's
+/// pair of `f64` vectors reaches [`ARENA_MIN_BYTES`]) the tasks' scratch comes from the
+/// thread's arena and their sums from [`BackwardSums::in_waves`], below it each task's
+/// sums are its own vectors, added by [`BackwardSums::total`] (the same bits either way).
+pub(crate) fn pixel_task_sums<T: Element>(
+    g: &Geometry,
+    isa: Isa,
+    data: GradData<'_, T>,
+    mean: &[T::Stat],
+    dx: Option<(&mut [T], &[T::Stat])>,
+    stream: bool,
+    quads: Quads,
+) -> BackwardSums {
+    let GradData { dy, mask, x } = data;
+    let c = g.channels;
+    let split = PixelSplit::reduce(g);
+    // Each task's piece of dx (as `PixelSplit::chunks_mut` cuts it), or none.
+    let (outs, k1): (Vec<Option<&mut [T]>>, _) = match dx {
+        Some((dx, k1)) => (
+            split.chunks_mut(dx).into_iter().map(Some).collect(),
+            Some(k1),
+        ),
+        None => ((0..split.len()).map(|_| None).collect(), None),
+    };
+    let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
+    // Task `t`'s sums added to `sums`, its dx (if any) into `out`.
+    let task = |t: usize, out: Option<&mut [T]>, sums: (&mut [f64], &mut [f64])| {
+        let range = split.range(t);
+        let run = |arena: Option<&bumpalo::Bump>| {
+            T::Stat::dispatch(
+                isa,
+                PixelSums {
+                    dy: &dy[range.clone()],
+                    mask: mask.map(|m| &m[range.clone()]),
+                    x: &x[range.clone()],
+                    mean,
+                    dx: out.zip(k1),
+                    stream,
+                    quads,
+                    sums,
+                    arena,
+                },
+            )
+        };
+        arena_if(large, run);
+    };
+    if !large {
+        let partials = map_items(g, outs, |t, out| {
+            let mut sums = BackwardSums::zeros(c);
+            task(t, out, (&mut sums.sum_dy, &mut sums.sum_dy_xc));
+            sums
+        });
+        return BackwardSums::total(c, partials);
+    }
+    BackwardSums::in_waves(g, outs.len(), c, outs, task)
 }
 
 /// `(Σdy, Σdy·(x − m))` over channel `c`, outer rows `[o0, o1)`, of a channel-major

@@ -25,14 +25,14 @@ use std::ops::Range;
 
 use super::apply::{run_splat, Affine, AffineRelu, AffineSide, Epilogue, VectorFn};
 use super::backward::{
-    self, row_sums_out, BackwardFn, BackwardMaskFn, BackwardSums, GradData, PixelSums, Quads,
+    self, row_sums_out, BackwardFn, BackwardMaskFn, BackwardSums, GradData, Quads,
 };
 use super::simd::{load_partial_n, splat_n, sub_n, Body, Dispatch, Isa, Kernel, Simd, Walk};
 use super::stats::{self, Moments};
 use super::{
-    apply, arena_if, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
-    ChannelMajorSplit, Geometry, NoPace, Pace, PixelSplit, RowOrder, Scratch, TaskRows, Tile,
-    ARENA_MIN_BYTES, RESIDENT_BYTES, TILE,
+    apply, channel_tiles, map_items, resident_bytes, scratch, side_resident_streamed,
+    ChannelMajorSplit, Geometry, NoPace, Pace, RowOrder, Scratch, TaskRows, Tile, RESIDENT_BYTES,
+    TILE,
 };
 use crate::element::{Element, Real};
 
@@ -1316,47 +1316,14 @@ pub fn backward_inference<T: Element>(
     k1: &[T::Stat],
     dx: &mut [T],
 ) -> BackwardSums {
-    let GradData { dy, mask, x } = data;
-    let c = g.channels;
     if g.channels_last() {
         let stream = g.stream(size_of::<T>());
-        let split = PixelSplit::reduce(g);
-        let large = 2 * c * size_of::<f64>() >= ARENA_MIN_BYTES;
-        // Task `t`'s sums added to `sums`, its dx into `out`.
-        let task = |t: usize, out: &mut [T], sums: (&mut [f64], &mut [f64])| {
-            let range = split.range(t);
-            let run = |arena: Option<&bumpalo::Bump>| {
-                T::Stat::dispatch(
-                    isa,
-                    PixelSums {
-                        dy: &dy[range.clone()],
-                        mask: mask.map(|m| &m[range.clone()]),
-                        x: &x[range.clone()],
-                        mean,
-                        dx: Some((out, k1)),
-                        stream,
-                        quads: Quads::No,
-                        sums,
-                        arena,
-                    },
-                )
-            };
-            arena_if(large, run);
-        };
-        if !large {
-            let partials = map_items(g, split.chunks_mut(dx), |t, out| {
-                let mut sums = BackwardSums::zeros(c);
-                task(t, out, (&mut sums.sum_dy, &mut sums.sum_dy_xc));
-                sums
-            });
-            return BackwardSums::total(c, partials);
-        }
-        BackwardSums::in_waves(g, split.len(), c, split.chunks_mut(dx), task)
+        backward::pixel_task_sums(g, isa, data, mean, Some((dx, k1)), stream, Quads::No)
     } else {
         if g.is_empty() {
             // Nothing to walk (and rows of no elements have no plane to find an image
             // by: `channel_rows_out` divides by it).
-            return BackwardSums::zeros(c);
+            return BackwardSums::zeros(g.channels);
         }
         let size = size_of::<T>();
         let walk = if g.rows_in_image_order(size) {
