@@ -1505,6 +1505,29 @@ fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
     }
 }
 
+/// With `dx` and ordinary stores, pixels of at most this many whole vectors walk a
+/// tile as one periodic run of vectors ([`tile_periodic`], the period a pixel), not
+/// pixel by pixel: the pixel walk's per-pixel setup (its slices, `Walk`, alignment
+/// test and tail) cost more than the pixel's own work there. The same additions in
+/// the same lanes (lane j is channel j): the same bits
+/// (`rotated_streamed_dx_has_the_bits_of_the_plain_walk`). Measured on the AVX2-only
+/// Zen 3 (`scripts/ab.sh 5`, NHWC backward inference and Ex gradient, 2x8x8x32,
+/// 2x32x32x32, 2x16x32x64 and 16x56x56x64, f32, f16 and bf16, base / this / base /
+/// this, time ÷ copy): of the 48 medians of the changed cells 34 below both runs of
+/// the base, 5 above (among them bf16 backward inference 2x16x32x64, 8 vectors a
+/// pixel: 4.31 / 4.44 / 4.29 / 4.40, hence [`FEW_PERIODIC_PAIRED_GROUPS`]); of the 12
+/// of an unchanged shape (16x28x28x128), 3 below and 1 above. E.g. f32 backward
+/// inference 2x32x32x32 2.10 / 1.53 / 1.80 / 1.54; bf16 2x8x8x32 on one thread 3.72 /
+/// 3.55 / 3.90 / 3.58 us.
+/// Streamed tensors keep the pixel walk: from DRAM (64x112x112x64) the periodic run
+/// was slower in bf16 (0.89 / 1.07 / 0.80 / 1.00) and within the noise in f16.
+/// Counted in vectors, so with AVX-512 this covers C <= 128 f32 lanes: not measured
+/// there.
+const FEW_PERIODIC_GROUPS: usize = 8;
+/// [`FEW_PERIODIC_GROUPS`] where the pixel walk takes its vectors in pairs (AVX2 bf16,
+/// one shift and one mask per pair, where the periodic run widens vector by vector).
+const FEW_PERIODIC_PAIRED_GROUPS: usize = 4;
+
 /// The mean (and `k1`) of [`tile_periodic`]'s lanes: lane `j` of a period of `per`
 /// vectors holds channel `(h + j) mod C`.
 struct PeriodConsts<U> {
@@ -1701,7 +1724,13 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     // starts off a vector boundary (the constants rotated by the `h` channels before it).
     let short = short_period(c, l);
     let rotated = stream && dx.is_some() && c.is_multiple_of(l);
-    let period = short.or(rotated.then_some(groups));
+    let few_groups = if s.pair_even_odd::<T>() {
+        FEW_PERIODIC_PAIRED_GROUPS
+    } else {
+        FEW_PERIODIC_GROUPS
+    };
+    let few = dx.is_some() && !stream && c.is_multiple_of(l) && groups <= few_groups;
+    let period = short.or((rotated || few).then_some(groups));
     let width = groups.max(period.unwrap_or(0));
     let (mut a_buf, mut b_buf, mut lanes_buf): (
         Scratch<S::V, 16>,
@@ -1758,7 +1787,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                 Some((out, _)) if stream => out[t0..].as_ptr().align_offset(l * size),
                 _ => 0,
             };
-            if (short.is_some() || h > 0) && h < l && h + l <= n {
+            if (short.is_some() || h > 0 || few) && h < l && h + l <= n {
                 let p = pc.take().filter(|p| p.h == h).unwrap_or_else(|| {
                     PeriodConsts::new(h, per, l, mean, dx.as_ref().map(|d| d.1))
                 });
@@ -2011,10 +2040,12 @@ mod tests {
     }
 
     /// A streamed `dx` that is not aligned to whole vectors takes the rotated walk
-    /// (`tile_periodic`), and so does every C with a short period: every offset from
-    /// the vector boundary, several tiles and a short last one, with and without the
-    /// ReLU mask, an infinite mean and a NaN in x gives the bits of the ordinary-store
-    /// walk at offset 0, `dx` and sums alike.
+    /// (`tile_periodic`), and so does every C with a short period, and with ordinary
+    /// stores every C of at most [`FEW_PERIODIC_GROUPS`] whole vectors (the periodic
+    /// run from lane 0; here 16 to 64 with AVX2, against the streamed pixel walk at
+    /// offset 0): every offset from the vector boundary, several tiles and a short
+    /// last one, with and without the ReLU mask, an infinite mean and a NaN in x gives
+    /// the bits of the walk at offset 0 with ordinary stores, `dx` and sums alike.
     fn rotated_matches_plain<T: Element>() {
         for isa in Isa::supported() {
             // Multiples of the lanes (one lane a channel), short periods (several lanes
