@@ -181,6 +181,7 @@ pub(crate) fn pixel_task_sums<T: Element>(
     quads: Quads,
 ) -> BackwardSums {
     let GradData { dy, mask, x } = data;
+    debug_assert!(dx.as_ref().is_none_or(|(o, _)| o.len() == g.len()));
     let c = g.channels;
     let split = PixelSplit::reduce(g);
     // Each task's piece of dx (as `PixelSplit::chunks_mut` cuts it), or none.
@@ -1405,7 +1406,7 @@ fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
 /// groups) adds, in order, the elements at `(h + j) mod (per·LANES)` of the tile (all of
 /// one channel): the same sums, lane for lane, whatever `h`.
 ///
-/// Two uses:
+/// Three uses:
 /// - `C` a multiple of the lanes with a streamed `dx` that starts `h > 0` elements
 ///   before a vector boundary (`per = C / LANES`): each channel is summed in one lane,
 ///   pixel after pixel, as in the pixel-by-pixel walk, so the sums have its bits; only
@@ -1416,6 +1417,8 @@ fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
 ///   C = 3 with AVX2) and one chain of additions, and cost NHWC backward inference
 ///   of 3145728x1x1x2 f32 5.3–7.1 times its copy (Zen 4). With `dx` streamed, `h`
 ///   aligns its stores; otherwise `h = 0`.
+/// - `C` a multiple of the lanes, pixels of few vectors, `dx` with ordinary stores
+///   (`h = 0`, `per = C / LANES`: lane `j` is channel `j`; see [`FEW_PERIODIC_GROUPS`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, const STREAM: bool>(
@@ -1520,9 +1523,9 @@ fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
 /// inference 2x32x32x32 2.10 / 1.53 / 1.80 / 1.54; bf16 2x8x8x32 on one thread 3.72 /
 /// 3.55 / 3.90 / 3.58 us.
 /// Streamed tensors keep the pixel walk: from DRAM (64x112x112x64) the periodic run
-/// was slower in bf16 (0.89 / 1.07 / 0.80 / 1.00) and within the noise in f16.
-/// Counted in vectors, so with AVX-512 this covers C <= 128 f32 lanes: not measured
-/// there.
+/// was slower in bf16 (0.89 / 1.07 / 0.80 / 1.00) and within the noise in f16. So do
+/// the portable kernels (scalar, and f64 on every ISA): not measured. Counted in
+/// vectors, so with AVX-512 this covers C <= 128 f32 lanes: not measured there.
 const FEW_PERIODIC_GROUPS: usize = 8;
 /// [`FEW_PERIODIC_GROUPS`] where the pixel walk takes its vectors in pairs (AVX2 bf16,
 /// one shift and one mask per pair, where the periodic run widens vector by vector).
@@ -1721,7 +1724,10 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     let consts = Reads::new(l, [&mean_p[..], &k1_p[..]], groups * l);
     // Tiles walked as one periodic run of vectors (`tile_periodic`): C not a multiple
     // of the lanes with a short period; C a multiple of the lanes where a streamed dx
-    // starts off a vector boundary (the constants rotated by the `h` channels before it).
+    // starts off a vector boundary (the constants rotated by the `h` channels before it);
+    // with dx and ordinary stores, C a multiple of the lanes of few vectors (`few`, from
+    // lane 0). Only kernels with hints (the SIMD ones): the portable kernels' `stream`
+    // is always false above, and they keep the pixel walk they had.
     let short = short_period(c, l);
     let rotated = stream && dx.is_some() && c.is_multiple_of(l);
     let few_groups = if s.pair_even_odd::<T>() {
@@ -1729,7 +1735,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
     } else {
         FEW_PERIODIC_GROUPS
     };
-    let few = dx.is_some() && !stream && c.is_multiple_of(l) && groups <= few_groups;
+    let few = S::HINTS && dx.is_some() && !stream && c.is_multiple_of(l) && groups <= few_groups;
     let period = short.or((rotated || few).then_some(groups));
     let width = groups.max(period.unwrap_or(0));
     let (mut a_buf, mut b_buf, mut lanes_buf): (
@@ -2042,8 +2048,10 @@ mod tests {
     /// A streamed `dx` that is not aligned to whole vectors takes the rotated walk
     /// (`tile_periodic`), and so does every C with a short period, and with ordinary
     /// stores every C of at most [`FEW_PERIODIC_GROUPS`] whole vectors (the periodic
-    /// run from lane 0; here 16 to 64 with AVX2, against the streamed pixel walk at
-    /// offset 0): every offset from the vector boundary, several tiles and a short
+    /// run from lane 0, compared here with the streamed pixel walk at offset 0: C = 8
+    /// to 64 with AVX2, 8 to 32 in bf16 ([`FEW_PERIODIC_PAIRED_GROUPS`]), 16 to 128
+    /// with AVX-512; the scalar kernels stream nothing and take the pixel walk both
+    /// times): every offset from the vector boundary, several tiles and a short
     /// last one, with and without the ReLU mask, an infinite mean and a NaN in x gives
     /// the bits of the walk at offset 0 with ordinary stores, `dx` and sums alike.
     fn rotated_matches_plain<T: Element>() {
@@ -2052,7 +2060,9 @@ mod tests {
             // a channel, folded by residue whatever the offset), and C = 200: a period
             // too long with 16 lanes (pixel by pixel, ordinary stores), whole vectors
             // with 8.
-            for c in [16usize, 32, 48, 64, 1, 2, 3, 5, 6, 7, 9, 12, 24, 40, 200] {
+            for c in [
+                16usize, 32, 48, 64, 1, 2, 3, 5, 6, 7, 9, 12, 24, 40, 200, 8, 80, 96, 128,
+            ] {
                 let pixels = 2 * pixels_per_tile(c) + 37;
                 let n = pixels * c;
                 let val = |i: usize, k: u64| {
