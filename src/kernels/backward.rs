@@ -1525,7 +1525,11 @@ fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
 /// Streamed tensors keep the pixel walk: from DRAM (64x112x112x64) the periodic run
 /// was slower in bf16 (0.89 / 1.07 / 0.80 / 1.00) and within the noise in f16. So do
 /// the portable kernels (scalar, and f64 on every ISA): not measured. Counted in
-/// vectors, so with AVX-512 this covers C <= 128 f32 lanes: not measured there.
+/// vectors, so with AVX-512 this covers C <= 128. On a Zen 4 (the same `ab.sh 5` with
+/// 2x16x16x128 and 16x28x28x128 added, eafa76b against 1e957f0): of the 72 medians of
+/// cells this changes with AVX-512, 52 below both base runs and 4 above (two of them
+/// at 2x16x16x128, 8 vectors); with AVX2 35 below and 1 above of 40; the unchanged
+/// C = 256 cells 5 below and 3 above of 12.
 const FEW_PERIODIC_GROUPS: usize = 8;
 /// [`FEW_PERIODIC_GROUPS`] where the pixel walk takes its vectors in pairs (AVX2 bf16,
 /// one shift and one mask per pair, where the periodic run widens vector by vector).
@@ -1535,7 +1539,6 @@ const FEW_PERIODIC_PAIRED_GROUPS: usize = 4;
 /// vectors holds channel `(h + j) mod C`.
 struct PeriodConsts<U> {
     h: usize,
-    per: usize,
     mean: Vec<U>,
     k1: Vec<U>,
 }
@@ -1547,7 +1550,6 @@ impl<U: Copy> PeriodConsts<U> {
         let expand = |v: &[U]| (0..per * lanes).map(|j| v[(h + j) % c]).collect::<Vec<U>>();
         PeriodConsts {
             h,
-            per,
             mean: expand(mean),
             k1: k1.map_or_else(|| expand(mean), expand),
         }
@@ -1761,6 +1763,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         }
     };
     let mut pc: Option<PeriodConsts<U>> = None;
+    let k1 = dx.as_ref().map(|d| d.1);
     // With a streamed dx (inputs from DRAM), each input prefetched STREAM_AHEAD_BYTES
     // ahead. Measured on an Intel Xeon (`scripts/ab.sh 3`, NHWC backward inference,
     // time ÷ copy): f32 64x56x56x256 1.17 -> 1.09 with AVX-512 and 1.10 -> 1.01 with
@@ -1794,10 +1797,17 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                 _ => 0,
             };
             if (short.is_some() || h > 0 || few) && h < l && h + l <= n {
-                let p = pc.take().filter(|p| p.h == h).unwrap_or_else(|| {
-                    PeriodConsts::new(h, per, l, mean, dx.as_ref().map(|d| d.1))
-                });
-                let consts_p = Reads::new(l, [&p.mean[..], &p.k1[..]], per * l);
+                // From lane 0 with C = per·LANES (the few-vector run) the period's
+                // constants are `mean` and `k1` as given; otherwise expanded once and
+                // kept for the tiles after while `h` is the same.
+                let as_given = h == 0 && c == per * l;
+                if !as_given && pc.as_ref().is_none_or(|p| p.h != h) {
+                    pc = Some(PeriodConsts::new(h, per, l, mean, k1));
+                }
+                let consts_p = match pc.as_ref() {
+                    Some(p) if !as_given => Reads::new(l, [&p.mean[..], &p.k1[..]], per * l),
+                    _ => Reads::new(l, [mean, k1.unwrap_or(mean)], per * l),
+                };
                 let ins_t = sub_n(&ins, t0, Some(n));
                 let (pa, pb) = (&mut a[..per], &mut b[..per]);
                 match dx.as_mut() {
@@ -1816,7 +1826,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                     }
                 }
                 q0 = t1;
-                periodic = Some(p);
+                periodic = Some((h, per));
             }
         }
         if dx.is_none() && quads != Quads::No {
@@ -1897,13 +1907,13 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                 }
             }
         }
-        let used = periodic.as_ref().map_or(groups, |p| p.per);
+        let used = periodic.map_or(groups, |(_, per)| per);
         let (la, lb) = lanes.split_at_mut(used * l);
         for gi in 0..used {
             s.store(&mut la[gi * l..], a[gi]);
             s.store(&mut lb[gi * l..], b[gi]);
         }
-        if let (Some(p), None) = (pair_layout, periodic.as_ref()) {
+        if let (Some(p), None) = (pair_layout, periodic) {
             // The pixel walk's pairs (a periodic tile's lanes are in memory order).
             p.reorder(la, l, false);
             p.reorder(lb, l, false);
@@ -1914,7 +1924,7 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
         // Indices stepped, not taken `% w` and `% c` per channel: two integer divisions
         // a channel were 15 % of the samples of NHWC 64x56x56x256 bf16 backward sums
         // (C = 256, a flush every 128 pixels; `perf annotate`, Zen 4).
-        let (h, w) = periodic.as_ref().map_or((0, c), |p| (p.h, used * l));
+        let (h, w) = periodic.map_or((0, c), |(h, _)| (h, used * l));
         let (sd, sx) = (&mut sums.0[..c], &mut sums.1[..c]);
         if h == 0 && w == c {
             // Lane j is channel j: the same additions as below, in a plain loop over
@@ -1944,7 +1954,6 @@ fn pixel_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize>(
                 }
             }
         }
-        pc = periodic.or(pc);
         t0 = t1;
     }
 }
