@@ -1399,7 +1399,8 @@ fn lanes_on<U: Real, S: Simd<U>>(s: S, from: usize, to: usize) -> [S::V; 2] {
 
 /// One tile of whole pixels of `c` channels walked as one run of vectors in periods of
 /// `per = consts.vectors()`: group `g` of a period holds channels `(h + g·LANES + i) mod
-/// c` (`consts` expanded so by [`PeriodConsts`]), the run starting `h` elements
+/// c` (`consts` expanded so by [`PeriodConsts`], or `mean` and `k1` themselves where
+/// `h = 0` and `C = per·LANES`), the run starting `h` elements
 /// (`0 ≤ h < LANES`) into the tile. Its first `h` elements go in the upper lanes of the
 /// last group (the tile's first `h` channels), and what is left after the whole vectors
 /// in the lower lanes of the group it falls in. Lane `j` of the sums `a`, `b` (`per`
@@ -1526,10 +1527,11 @@ fn tile_periodic<U: Real, S: Simd<U>, T: Element<Stat = U>, const N: usize, cons
 /// was slower in bf16 (0.89 / 1.07 / 0.80 / 1.00) and within the noise in f16. So do
 /// the portable kernels (scalar, and f64 on every ISA): not measured. Counted in
 /// vectors, so with AVX-512 this covers C <= 128. On a Zen 4 (the same `ab.sh 5` with
-/// 2x16x16x128 and 16x28x28x128 added, eafa76b against 1e957f0): of the 72 medians of
-/// cells this changes with AVX-512, 52 below both base runs and 4 above (two of them
-/// at 2x16x16x128, 8 vectors); with AVX2 35 below and 1 above of 40; the unchanged
-/// C = 256 cells 5 below and 3 above of 12.
+/// 2x16x16x128 and 16x14x14x256 added, eafa76b against 38e4265): with AVX-512, of the
+/// 72 medians of cells this changes 52 below both base runs and 4 above (three at
+/// 2x16x16x128, 8 vectors, one at 2x8x8x32), of the 12 unchanged (C = 256) 5 below and
+/// 3 above; with AVX2, of 40 changed 35 below and 1 above, of 44 unchanged 10 below and
+/// 17 above.
 const FEW_PERIODIC_GROUPS: usize = 8;
 /// [`FEW_PERIODIC_GROUPS`] where the pixel walk takes its vectors in pairs (AVX2 bf16,
 /// one shift and one mask per pair, where the periodic run widens vector by vector).
