@@ -184,6 +184,40 @@ fn channels_last_gradient_sums_of_four_pixels_on_every_isa() {
     check_all(cases, 8);
 }
 
+/// With ordinary stores (tensors under the 16 MiB streaming limit), pixels of at most 8
+/// whole vectors (4 pairs with AVX2 bf16) are walked a tile at a time as one periodic
+/// run of vectors while dx (or the Ex gradient's side gradient) is written
+/// (`backward::FEW_PERIODIC_GROUPS`). That walk at the most elements a channel it can
+/// see: C = 8 f32 (one AVX2 vector; 512,000 elements a channel), C = 16 f32 (one AVX-512
+/// vector, two AVX2 ones) and C = 32 bf16 and f16 (250,000 a channel), each tensor just
+/// under 16 MiB; the inference gradient and the Ex training gradient (side input and
+/// ReLU), far from zero and with a constant dy, on every ISA this CPU has.
+#[test]
+fn channels_last_pixels_of_few_vectors_on_every_isa() {
+    let mut cases = Vec::new();
+    for (shape, dtype) in [
+        ([1, 512, 1000, 8], DType::F32),
+        ([1, 512, 500, 16], DType::F32),
+        ([1, 500, 500, 32], DType::BF16),
+        ([1, 500, 500, 32], DType::F16),
+    ] {
+        assert!(shape.iter().product::<usize>() * dtype.size() < 16 << 20);
+        for isa in fusedbn::Isa::supported() {
+            for fill in [far(dtype), constant(dtype)] {
+                let new = |op| {
+                    Case::new(op, DataFormat::Nhwc, &shape, dtype)
+                        .expect("valid case")
+                        .fill(fill)
+                        .isa(isa)
+                };
+                cases.push(new(Op::FusedBatchNormGradV3).training(false));
+                cases.push(new(Op::FusedBatchNormGradEx).training(true).ex(true, true));
+            }
+        }
+    }
+    check_all(cases, 16);
+}
+
 /// Channels-last outputs that are streamed (past 16 MiB and half the last-level cache,
 /// counted as at most 96 MiB: 48 MiB of output streams on every machine) are written by
 /// two sequential streams a thread (every dtype on every SIMD ISA, f32 with AVX-512
