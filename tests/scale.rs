@@ -337,20 +337,25 @@ fn one_huge_image_inference_gradient_sums_exactly() {
 
 /// One channel's NaN, Inf or outlier changes no bit of any other channel's statistics or
 /// output, in every layout (the NHWC statistics once redid a whole tile, all channels,
-/// on the exact path when one channel needed it).
+/// on the exact path when one channel needed it; they now redo a tile where a channel's
+/// mean moved from its pivot, with new pivots for the channels that moved alone).
+/// C = 19, and C = 8 (one channel is more than a sixteenth of the channels).
 #[test]
 fn one_channels_outlier_leaves_other_channels_bit_identical() {
     use fusedbn::{Tensor, TensorData};
-    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+    for (format, channels) in [DataFormat::Nhwc, DataFormat::Nchw]
+        .into_iter()
+        .flat_map(|f| [(f, 19usize), (f, 8)])
+    {
         for dtype in [DType::F32, DType::BF16] {
-            let case = Case::new(Op::FusedBatchNormV3, format, &[4, 37, 41, 19], dtype)
+            let case = Case::new(Op::FusedBatchNormV3, format, &[4, 37, 41, channels], dtype)
                 .unwrap()
                 .training(true);
             let inputs = case.inputs().unwrap();
             let base = case.run(&inputs).unwrap();
-            // The channel of element i: C = 19; NCHW has 37·41 elements per row.
+            // The channel of element i; NCHW has 37·41 elements per row.
             let (channels, inner) = (
-                19,
+                channels,
                 if format.is_channels_last() {
                     1
                 } else {
@@ -359,7 +364,7 @@ fn one_channels_outlier_leaves_other_channels_bit_identical() {
             );
             // An element of channel 0 in the middle of the tensor.
             let at = if format.is_channels_last() {
-                19 * 3000
+                channels * 3000
             } else {
                 1234
             };

@@ -822,6 +822,97 @@ fn spec7_statistics_with_drifting_data() {
     }
 }
 
+/// Images that differ in level (here image `n` is offset by 2·n, std 1 within each),
+/// channels-last with many channels: a task's later tiles then lie several stds from
+/// the pivots its first pixels gave, and take new ones from their own means (the sums
+/// of the tiles before becoming moments). Every channel as exact as the f64
+/// reference; one channel with a NaN in the last image (a later tile, after the
+/// pivots moved) NaN, the others unaffected. C = 2048: tiles of 64 pixels, tasks of
+/// two (images of 49); C = 40: tiles of 819, tasks of four; f32 and bf16, every ISA.
+#[test]
+fn spec7_statistics_of_images_at_different_levels() {
+    use fusedbn::{bf16, Isa};
+    let mut rng = common::Rng::new(21);
+    for (shape, nan_at) in [([16usize, 7, 7, 2048], 5usize), ([8, 32, 32, 40], 7)] {
+        let c = shape[3];
+        let per_image = shape[1] * shape[2] * c;
+        let len = shape[0] * per_image;
+        let mut x: Vec<f32> = (0..len)
+            .map(|i| (2.0 * (i / per_image) as f64 + rng.normal()) as f32)
+            .collect();
+        // bf16 of the same values (its moments checked against those of its values).
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xbf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        // One NaN in channel `nan_at` of the last image's middle pixel.
+        let nan_pixel = (shape[0] - 1) * shape[1] * shape[2] + shape[1] * shape[2] / 2;
+        x[nan_pixel * c + nan_at] = f32::NAN;
+        for (name, xs) in [("f32", &x), ("bf16", &xbf)] {
+            let (rm, rv) = reference_batch_stats(DataFormat::Nhwc, &shape, xs);
+            for isa in Isa::supported() {
+                let (mu, var) = if name == "f32" {
+                    let (mu, var, _) = batch_stats(DataFormat::Nhwc, &shape, isa, xs);
+                    (mu, var)
+                } else {
+                    batch_stats_bf16(&shape, isa, &xb)
+                };
+                for ch in 0..c {
+                    let what = format!("{shape:?} {name} {isa} channel {ch}");
+                    if name == "f32" && ch == nan_at {
+                        assert!(mu[ch].is_nan() && var[ch].is_nan(), "{what}: {}", mu[ch]);
+                        continue;
+                    }
+                    let (m, v) = (rm[ch], rv[ch]);
+                    assert!(
+                        (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
+                        "{what}: mean {} vs {m}",
+                        mu[ch]
+                    );
+                    assert!(
+                        (var[ch] as f64 - v).abs() <= 1e-5 * v,
+                        "{what}: variance {} vs {v}",
+                        var[ch]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The saved batch mean and variance of the bf16 forward op on `isa` (scale 1,
+/// offset 0), channels-last.
+fn batch_stats_bf16(
+    shape: &[usize],
+    isa: fusedbn::Isa,
+    x: &[fusedbn::bf16],
+) -> (Vec<f32>, Vec<f32>) {
+    let p = Problem::new(DataFormat::Nhwc, shape)
+        .unwrap()
+        .with_isa(isa)
+        .unwrap();
+    let c = p.channels();
+    let mut y = vec![fusedbn::bf16::ZERO; x.len()];
+    let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);
+    let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
+    p.forward(
+        x,
+        Affine {
+            scale: &scale,
+            offset: &offset,
+        },
+        Forward::Training(TrainingStats {
+            saved: SavedStats {
+                mean: &mut mu,
+                variance: &mut var,
+            },
+            running: None,
+        }),
+        Epilogue::plain(),
+        &mut y,
+    )
+    .unwrap();
+    (mu, var)
+}
+
 /// A channels-last task takes its first pivots from its first 32 pixels (16 where the
 /// task is one tile). Where those pixels are unlike the rest of the first tile (here,
 /// in some channels, 0 against 10⁴ ± 1 after them; in one channel a NaN among them),
