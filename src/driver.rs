@@ -78,6 +78,13 @@ pub enum Fill {
         /// The value of every gradient element.
         dy: f64,
     },
+    /// `x` as in the default `Random`, plus `step·n` in batch item `n`: images at
+    /// different levels, as a batch's activations often are (no tile of a channel
+    /// then has the mean of the channel's first pixels); the gradients as `Random`.
+    Levels {
+        /// The offset of each batch item from the one before.
+        step: f64,
+    },
 }
 
 impl Default for Fill {
@@ -236,19 +243,26 @@ impl Case {
         } else {
             DType::F32
         };
-        let (mean, std) = match self.fill {
-            Fill::Random { mean, std } => (mean, std),
-            Fill::Constant { .. } => (0.0, 1.0),
+        let ((mean, std), step) = match self.fill {
+            Fill::Random { mean, std } => ((mean, std), 0.0),
+            Fill::Constant { .. } => ((0.0, 1.0), 0.0),
+            Fill::Levels { step } => match Fill::default() {
+                Fill::Random { mean, std } => ((mean, std), step),
+                _ => ((0.5, 1.5), step),
+            },
         };
         let centre = |ch: usize| mean + std * 0.25 * ((ch % 5) as f64 - 2.0);
         let spread = |ch: usize| std * (1.0 + 0.125 * (ch % 3) as f64);
         let constant = match self.fill {
             Fill::Constant { dy } => Some(dy),
-            Fill::Random { .. } => None,
+            Fill::Random { .. } | Fill::Levels { .. } => None,
         };
+        // The batch item of element `i` (N is the outermost axis in every format).
+        let per_item = g.len() / self.shape.first().copied().unwrap_or(1).max(1);
+        let level = |i: usize| step * (i / per_item.max(1)) as f64;
         let seed = self.seed;
-        let full = |stream: u64, f: &(dyn Fn(usize, f64) -> f64 + Sync)| -> Result<Tensor> {
-            let at = |ch, i| f(ch, normal(seed, stream, i));
+        let full = |stream: u64, f: &(dyn Fn(usize, usize, f64) -> f64 + Sync)| -> Result<Tensor> {
+            let at = |ch, i| f(ch, i, normal(seed, stream, i));
             generate(self.dtype, self.shape.clone(), &g, &at)
         };
         // A per-channel vector: the geometry of `c` channels of one element.
@@ -259,13 +273,13 @@ impl Case {
         let mut out = Vec::new();
         for &name in self.op.input_names() {
             let t = match name {
-                "x" => full(1, &|ch, z| centre(ch) + spread(ch) * z)?,
-                "y_backprop" => full(2, &gradient)?,
-                "grad_x_backprop" => full(3, &gradient)?,
-                "side_input" if self.side_input => full(4, &|_, z| 0.5 * z)?,
+                "x" => full(1, &|ch, i, z| centre(ch) + spread(ch) * z + level(i))?,
+                "y_backprop" => full(2, &|ch, _, z| gradient(ch, z))?,
+                "grad_x_backprop" => full(3, &|ch, _, z| gradient(ch, z))?,
+                "side_input" if self.side_input => full(4, &|_, _, z| 0.5 * z)?,
                 "side_input" => continue,
                 // The forward output of a ReLU: about 60 % positive (the gradient's mask).
-                "y" => full(5, &|_, z| 0.25 + z)?,
+                "y" => full(5, &|_, _, z| 0.25 + z)?,
                 "scale" => vector(&|ch| 0.5 + 0.125 * (ch % 7) as f64)?,
                 "offset" => vector(&|ch| 0.1 * (ch % 5) as f64 - 0.2)?,
                 "mean" | "reserve_space_1" => vector(&centre)?,

@@ -138,6 +138,12 @@ pub struct BenchArgs {
     )]
     pub offsets: Vec<usize>,
 
+    /// Offset x of batch item n by STEP·n (images at different levels, as a batch's
+    /// activations often are; the data's std is about 1.5); 0: the same distribution in
+    /// every item
+    #[arg(long, value_name = "STEP", default_value_t = 0.0, value_parser = parse_levels)]
+    pub levels: f64,
+
     /// Timed op/copy pairs per case, at least
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     pub runs: u32,
@@ -425,6 +431,21 @@ fn parse_offset(s: &str) -> Result<usize, String> {
     }
 }
 
+fn parse_levels(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v.abs() <= 1e6 => Ok(v),
+        _ => Err(format!("{s:?} is not a step from -1e6 to 1e6")),
+    }
+}
+
+/// The `--levels` step of a case's fill (0 for the default fill).
+fn args_levels(case: &Case) -> f64 {
+    match case.driver.fill {
+        driver::Fill::Levels { step } => step,
+        _ => 0.0,
+    }
+}
+
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
@@ -636,7 +657,13 @@ fn cases(args: &BenchArgs, isas: &[Isa], pools: usize) -> Result<Vec<Case>> {
                         seen.push(effective_isa(dtype, isa));
                         for pool in 0..pools {
                             for &off in &offsets {
-                                out.push(Case::new(op, format, &logical, dtype, isa, pool, off)?);
+                                let mut case =
+                                    Case::new(op, format, &logical, dtype, isa, pool, off)?;
+                                if args.levels != 0.0 {
+                                    let fill = driver::Fill::Levels { step: args.levels };
+                                    case.driver = case.driver.fill(fill);
+                                }
+                                out.push(case);
                             }
                         }
                     }
@@ -1353,6 +1380,7 @@ impl Report {
                 "shape": case.shape,
                 "threads": threads,
                 "offset": case.offset,
+                "levels": args_levels(case),
                 "isa": m.isa.name(),
                 "isa_requested": case.isa.name(),
                 "pairs": m.op.len(),
