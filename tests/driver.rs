@@ -157,3 +157,51 @@ fn check_refuses_an_edited_reference() {
         assert!(e.to_string().contains("channels below 0"), "{e}");
     }
 }
+
+/// `Fill::Levels` offsets x of batch item n by step·n in every format (N outermost),
+/// and the op on it passes the check (the statistics of such data take new pivots
+/// tile by tile: `tests/spec.rs::spec7_statistics_of_images_at_different_levels`).
+#[test]
+fn levels_fill_offsets_each_batch_item() {
+    for format in [DataFormat::Nhwc, DataFormat::Nchw, DataFormat::Ndhwc] {
+        let logical: &[usize] = if format.rank() == 5 {
+            &[4, 2, 3, 5, 7]
+        } else {
+            &[4, 3, 5, 7]
+        };
+        let case = Case::new(Op::FusedBatchNormV3, format, logical, DType::F32)
+            .expect("valid case")
+            .training(true)
+            .fill(Fill::Levels { step: 100.0 });
+        let inputs = case.inputs().expect("inputs");
+        let x = inputs
+            .iter()
+            .find(|(n, _)| *n == "x")
+            .expect("x")
+            .1
+            .to_f64_vec();
+        let per_item = x.len() / 4;
+        let means: Vec<f64> = x
+            .chunks(per_item)
+            .map(|c| c.iter().sum::<f64>() / per_item as f64)
+            .collect();
+        for n in 1..4 {
+            let step = means[n] - means[n - 1];
+            assert!(
+                (step - 100.0).abs() < 5.0,
+                "{case}: item {n} {step} above item {}",
+                n - 1
+            );
+        }
+        let got = case.run(&inputs).expect("the op runs");
+        let want = reference(
+            Op::FusedBatchNormV3,
+            &case.named(&inputs),
+            &case.attrs,
+            None,
+        )
+        .expect("reference");
+        let report = check(&want, &got).unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert!(report.worst() <= 1.0, "{case}: {report}");
+    }
+}
