@@ -822,56 +822,70 @@ fn spec7_statistics_with_drifting_data() {
     }
 }
 
-/// Images that differ in level (here image `n` is offset by 2·n, std 1 within each),
-/// channels-last with many channels: a task's later tiles then lie several stds from
+/// Images that differ in level (here image `n` is offset by 2·n, std 1 within each).
+/// Channels-last with many channels, a task's later tiles then lie several stds from
 /// the pivots its first pixels gave, and take new ones from their own means (the sums
-/// of the tiles before becoming moments). Every channel as exact as the f64
-/// reference; one channel with a NaN in the last image (a later tile, after the
-/// pivots moved) NaN, the others unaffected. C = 2048: tiles of 64 pixels, tasks of
-/// two (images of 49); C = 40: tiles of 819, tasks of four; f32 and bf16, every ISA.
+/// of the tiles before becoming moments); channel-major with short rows, a channel's
+/// tile spans the batch, and its shift comes from rows spread over it. Every channel
+/// as exact as the f64 reference; one channel with a NaN in the last image (NHWC: a
+/// later tile, after the pivots moved) NaN, the others unaffected. C = 2048 (NHWC:
+/// tiles of 64 pixels, tasks of two, images of 49) and C = 40 (tiles of 819, tasks of
+/// four), both layouts, f32 and bf16, every ISA.
 #[test]
 fn spec7_statistics_of_images_at_different_levels() {
     use fusedbn::{bf16, Isa};
     let mut rng = common::Rng::new(21);
-    for (shape, nan_at) in [([16usize, 7, 7, 2048], 5usize), ([8, 32, 32, 40], 7)] {
-        let c = shape[3];
-        let per_image = shape[1] * shape[2] * c;
-        let len = shape[0] * per_image;
-        let mut x: Vec<f32> = (0..len)
+    for ([n, h, w, c], nan_at) in [([16usize, 7, 7, 2048], 5usize), ([8, 32, 32, 40], 7)] {
+        let hw = h * w;
+        let per_image = hw * c;
+        let values: Vec<f32> = (0..n * per_image)
             .map(|i| (2.0 * (i / per_image) as f64 + rng.normal()) as f32)
             .collect();
-        // bf16 of the same values (its moments checked against those of its values).
-        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let xbf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
-        // One NaN in channel `nan_at` of the last image's middle pixel.
-        let nan_pixel = (shape[0] - 1) * shape[1] * shape[2] + shape[1] * shape[2] / 2;
-        x[nan_pixel * c + nan_at] = f32::NAN;
-        for (name, xs) in [("f32", &x), ("bf16", &xbf)] {
-            let (rm, rv) = reference_batch_stats(DataFormat::Nhwc, &shape, xs);
-            for isa in Isa::supported() {
-                let (mu, var) = if name == "f32" {
-                    let (mu, var, _) = batch_stats(DataFormat::Nhwc, &shape, isa, xs);
-                    (mu, var)
-                } else {
-                    batch_stats_bf16(&shape, isa, &xb)
-                };
-                for ch in 0..c {
-                    let what = format!("{shape:?} {name} {isa} channel {ch}");
-                    if name == "f32" && ch == nan_at {
-                        assert!(mu[ch].is_nan() && var[ch].is_nan(), "{what}: {}", mu[ch]);
-                        continue;
+        for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+            let shape = if format == DataFormat::Nhwc {
+                [n, h, w, c]
+            } else {
+                [n, c, h, w]
+            };
+            // The same values in either layout (the level is the image's alone).
+            let mut x = values.clone();
+            // bf16 of the same values (its moments checked against those of its values).
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xbf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            // One NaN in channel `nan_at` of the last image's middle pixel.
+            let (last, mid) = (n - 1, hw / 2);
+            let at = match format {
+                DataFormat::Nhwc => (last * hw + mid) * c + nan_at,
+                _ => (last * c + nan_at) * hw + mid,
+            };
+            x[at] = f32::NAN;
+            for (name, xs) in [("f32", &x), ("bf16", &xbf)] {
+                let (rm, rv) = reference_batch_stats(format, &shape, xs);
+                for isa in Isa::supported() {
+                    let (mu, var) = if name == "f32" {
+                        let (mu, var, _) = batch_stats(format, &shape, isa, xs);
+                        (mu, var)
+                    } else {
+                        batch_stats_bf16(format, &shape, isa, &xb)
+                    };
+                    for ch in 0..c {
+                        let what = format!("{format} {shape:?} {name} {isa} channel {ch}");
+                        if name == "f32" && ch == nan_at {
+                            assert!(mu[ch].is_nan() && var[ch].is_nan(), "{what}: {}", mu[ch]);
+                            continue;
+                        }
+                        let (m, v) = (rm[ch], rv[ch]);
+                        assert!(
+                            (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
+                            "{what}: mean {} vs {m}",
+                            mu[ch]
+                        );
+                        assert!(
+                            (var[ch] as f64 - v).abs() <= 1e-5 * v,
+                            "{what}: variance {} vs {v}",
+                            var[ch]
+                        );
                     }
-                    let (m, v) = (rm[ch], rv[ch]);
-                    assert!(
-                        (mu[ch] as f64 - m).abs() <= 1e-5 * v.sqrt() + 1e-7 * m.abs(),
-                        "{what}: mean {} vs {m}",
-                        mu[ch]
-                    );
-                    assert!(
-                        (var[ch] as f64 - v).abs() <= 1e-5 * v,
-                        "{what}: variance {} vs {v}",
-                        var[ch]
-                    );
                 }
             }
         }
@@ -879,16 +893,14 @@ fn spec7_statistics_of_images_at_different_levels() {
 }
 
 /// The saved batch mean and variance of the bf16 forward op on `isa` (scale 1,
-/// offset 0), channels-last.
+/// offset 0).
 fn batch_stats_bf16(
+    format: DataFormat,
     shape: &[usize],
     isa: fusedbn::Isa,
     x: &[fusedbn::bf16],
 ) -> (Vec<f32>, Vec<f32>) {
-    let p = Problem::new(DataFormat::Nhwc, shape)
-        .unwrap()
-        .with_isa(isa)
-        .unwrap();
+    let p = Problem::new(format, shape).unwrap().with_isa(isa).unwrap();
     let c = p.channels();
     let mut y = vec![fusedbn::bf16::ZERO; x.len()];
     let (mut mu, mut var) = (vec![0f32; c], vec![0f32; c]);

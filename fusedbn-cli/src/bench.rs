@@ -139,8 +139,8 @@ pub struct BenchArgs {
     pub offsets: Vec<usize>,
 
     /// Offset x of batch item n by STEP·n (images at different levels, as a batch's
-    /// activations often are; the data's std is about 1.5); 0: the same distribution in
-    /// every item
+    /// activations often are; within an item the std is 1.5 to 1.9); 0: the same
+    /// distribution in every item
     #[arg(long, value_name = "STEP", default_value_t = 0.0, value_parser = parse_levels)]
     pub levels: f64,
 
