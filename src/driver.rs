@@ -62,6 +62,7 @@ use half::{bf16, f16};
 
 /// How [`Case::inputs`] fills the tensors.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum Fill {
     /// `x` normal around `mean` (plus a little per channel) with standard deviation
     /// `std`; the gradients standard normal plus a small offset.

@@ -826,7 +826,8 @@ fn spec7_statistics_with_drifting_data() {
 /// Channels-last with many channels, a task's later tiles then lie several stds from
 /// the pivots its first pixels gave, and take new ones from their own means (the sums
 /// of the tiles before becoming moments); channel-major with short rows, a channel's
-/// tile spans the batch, and its shift comes from rows spread over it. Every channel
+/// tile spans the batch, off the shift its first row gives, and is summed again around
+/// the mean the first sums give. Every channel
 /// as exact as the f64 reference; one channel with a NaN in the last image (NHWC: a
 /// later tile, after the pivots moved) NaN, the others unaffected. C = 2048 (NHWC:
 /// tiles of 64 pixels, tasks of two, images of 49) and C = 40 (tiles of 819, tasks of

@@ -216,7 +216,7 @@ fn first_pivot<U: Real, S: Simd<U>, T: Element<Stat = U>>(s: S, tile: Tile, x: &
 /// (std about 3 each) took every channel through the exact path, three passes, 2.2
 /// times the statistics time of i.i.d. data (Zen 4, one thread). Shifts from rows
 /// spread over the tile instead made i.i.d. data slower (NCHW 2x32x8x8 forward training
-/// 5-8 %, `scripts/ab.sh 3`, both ISAs; tried, not kept).
+/// 3-9 % in time, `scripts/ab.sh 3`, both ISAs; tried, not kept).
 #[inline(always)]
 fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     s: S,
@@ -677,9 +677,10 @@ fn channel_exact<T: Element>(tile: &[T], c: usize, ch: usize) -> Moments {
 }
 
 /// Pixels whose means are the first pivots of a channels-last task of several tiles.
-/// The pivots stay those of the task's every later tile, whose channels fall back to
-/// the exact per-channel path (`channel_exact`, and a per-channel loop for the whole
-/// tile) where the tile's mean lies more than its std from them ([`well_shifted`]).
+/// The pivots stay those of the task's every later tile, where a channel whose tile
+/// mean lies more than its std from them ([`well_shifted`]) takes the tile's mean as
+/// its pivot and the tile is summed again (`PixelMoments::run`); before 2026-12-07 each
+/// such channel fell back to the exact per-channel path (`channel_exact`).
 /// From 16 pixels the pivot of i.i.d. data is off by σ/4, and a later tile of 64 pixels
 /// (C ≥ 512) misses it by more than σ with a probability of about 3·10⁻⁴ a channel: at
 /// C = 2048 half the later tiles took the fallback. From 32 it is about 4·10⁻⁶. (Those
