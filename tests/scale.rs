@@ -642,3 +642,28 @@ fn ex_gradient_of_streamed_tensors_with_l2_sized_channels() {
     ];
     check_all(nchw_side_gradients(sized), 8);
 }
+
+/// Images at different levels (`Fill::Levels`, image n offset by 3·n, std 1.5 to 1.9
+/// within each) at 1,048,576 elements a channel: 64 images of 128x128, C = 8, forward
+/// training, both 4-D layouts, f32 and bf16, every ISA, against the f64 reference. The
+/// channels-last tasks (32,768 pixels, two images each) take new pivots in their
+/// second image's tiles, whose sums before become moments; the channel-major tiles
+/// (8192 values, half a row) after each image's first are off the mean before and are
+/// summed again around their own. No f32 sum grows with the tensor on either path.
+#[test]
+fn images_at_different_levels_at_a_million_a_channel() {
+    let mut cases = Vec::new();
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        for isa in fusedbn::Isa::supported() {
+            for dtype in [DType::F32, DType::BF16] {
+                let case = Case::new(Op::FusedBatchNormV3, format, &[64, 128, 128, 8], dtype)
+                    .expect("valid case")
+                    .training(true)
+                    .fill(Fill::Levels { step: 3.0 })
+                    .isa(isa);
+                cases.push(case);
+            }
+        }
+    }
+    check_all(cases, 8);
+}
