@@ -225,9 +225,25 @@ fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     k: Option<U>,
     pace: &mut P,
 ) -> Moments {
+    let first = k.map(|k| {
+        let (s1, s2) = deviation_sums(s, tile.pieces(x), k, pace);
+        (k, s1, s2)
+    });
+    tile_moments_after(s, tile, x, first, pace)
+}
+
+/// [`tile_moments_around`] from the sums around its shift, `first = (k, Σ(x − k),
+/// Σ(x − k)²)` (`None`: no finite shift).
+#[inline(always)]
+fn tile_moments_after<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
+    s: S,
+    tile: Tile,
+    x: &[T],
+    first: Option<(U, f64, f64)>,
+    pace: &mut P,
+) -> Moments {
     let (n, pieces) = (tile.len(), tile.pieces(x));
-    if let Some(k) = k {
-        let (s1, s2) = deviation_sums(s, pieces.clone(), k, pace);
+    if let Some((k, s1, s2)) = first {
         if well_shifted(n, s1, s2) {
             return Moments::from_pivot(n, k.to_f64(), s1, s2);
         }
@@ -243,13 +259,14 @@ fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
 }
 
 /// [`channel_rows_in`] for channels `c0..c1` whose rows `[o0, o1)` make one tile each
-/// (short rows: one tile per channel, as 7x7 or 8x8 images): the same arithmetic per
-/// channel, so the same bits, but the shifts of all the channels first and then their
-/// sums. Channel by channel, a channel's work was one chain of dependent steps (the
-/// shift's sum and division, then the sums around it, then the moments' divisions) and
-/// the next channel's could not start far enough ahead to hide it: NCHW 1x32x8x8 f32
-/// took 2.0 us, 60 ns a channel of 64 values, and 0.9 us this way (Zen 3, AVX2, one
-/// thread). `first` is the tile of the first channel; the others follow `inner` apart.
+/// (short rows: one tile per channel, as 7x7 or 8x8 images): the shifts of all the
+/// channels first, then their sums. Channel by channel, a channel's work was one chain
+/// of dependent steps (the shift's sum and division, then the sums around it, then the
+/// moments' divisions) and the next channel's could not start far enough ahead to hide
+/// it: NCHW 1x32x8x8 f32 took 2.0 us, 60 ns a channel of 64 values, and 0.9 us this way
+/// (Zen 3, AVX2, one thread). `first` is the tile of the first channel; the others
+/// follow `inner` apart. Rows of at least a vector and at most [`GROUP_ROW_BYTES`] are
+/// summed [`group_sums`]' way, a group of channels image by image; others as a tile.
 #[inline(always)]
 fn single_tile_channels<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     s: S,
@@ -260,17 +277,163 @@ fn single_tile_channels<U: Real, S: Simd<U>, T: Element<Stat = U>>(
     out: &mut Vec<Moments>,
 ) {
     // (Loops, not closures: see `channel_rows_in`.)
-    let mut pivots: Vec<Option<U>> = Vec::with_capacity(count);
-    let mut tile = first;
-    for _ in 0..count {
-        pivots.push(first_pivot(s, tile, x));
-        tile.start += inner;
+    let grouped = first.step == inner
+        && inner >= S::LANES
+        && inner * size_of::<T>() <= GROUP_ROW_BYTES
+        && first.start + (first.count - 1) * first.stride + count * inner <= x.len();
+    if !grouped {
+        let mut pivots: Vec<Option<U>> = Vec::with_capacity(count);
+        let mut tile = first;
+        for _ in 0..count {
+            pivots.push(first_pivot(s, tile, x));
+            tile.start += inner;
+        }
+        let mut tile = first;
+        for k in pivots {
+            out.push(Moments::EMPTY.merge(tile_moments_around(s, tile, x, k, &mut NoPace)));
+            tile.start += inner;
+        }
+        return;
     }
-    let mut tile = first;
-    for k in pivots {
-        out.push(Moments::EMPTY.merge(tile_moments_around(s, tile, x, k, &mut NoPace)));
-        tile.start += inner;
+    // Wider groups where the ISA has the registers for their sums (two a channel).
+    let (wide, mut c) = (S::LANES >= 16, 0);
+    while c < count {
+        let mut tile = first;
+        tile.start += c * inner;
+        c += match (wide, count - c) {
+            (true, 4..) => group_moments::<U, S, T, 4>(s, x, tile, out),
+            (false, 2..) => group_moments::<U, S, T, 2>(s, x, tile, out),
+            _ => group_moments::<U, S, T, 1>(s, x, tile, out),
+        };
     }
+}
+
+/// Rows of at most this many bytes are summed by groups of channels ([`group_sums`]).
+/// NCHW 16x2048x7x7 f32 `moments` (one thread, AVX-512, Zen 4): 215-260 us a channel
+/// at a time, its rows a plane apart, 121-150 us eight channels at a time, and a read
+/// of the same bytes in memory order 75-90 us. Rows of 14x14 f32 (784 bytes) gained
+/// nothing there.
+const GROUP_ROW_BYTES: usize = 256;
+
+// The resident passes reduce a channel with `channel_rows_paced`, whose bits the
+// phases' moments must give; they take rows of at least `RESIDENT_MIN_ROW_BYTES` only,
+// which the group walk never sums.
+const _: () = assert!(GROUP_ROW_BYTES < super::RESIDENT_MIN_ROW_BYTES);
+
+/// The moments of `G` channels of one tile each, the first `tile`, the others `inner
+/// = tile.step` apart, into `out`; returns `G`. Each channel's shift is the mean of
+/// its first row (image), summed as [`group_sums`] sums; its moments are the sums of
+/// [`group_sums`] around it, or [`tile_moments_after`]'s where those are not well
+/// shifted (a non-finite shift gives NaN sums: the exact path).
+#[inline(always)]
+fn group_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
+    s: S,
+    x: &[T],
+    tile: Tile,
+    out: &mut Vec<Moments>,
+) -> usize {
+    let first_row = Tile { count: 1, ..tile };
+    let row_sums = group_sums::<U, S, T, G>(s, x, first_row, [U::ZERO; G]);
+    let inv = 1.0 / tile.step as f64;
+    let mut k = [U::ZERO; G];
+    for g in 0..G {
+        k[g] = U::from_f64(row_sums[g].0 * inv);
+    }
+    let sums = group_sums::<U, S, T, G>(s, x, tile, k);
+    let mut t = tile;
+    for g in 0..G {
+        let (s1, s2) = sums[g];
+        let m = tile_moments_after(s, t, x, Some((k[g], s1, s2)), &mut NoPace);
+        out.push(Moments::EMPTY.merge(m));
+        t.start += tile.step;
+    }
+    G
+}
+
+/// `(Σ(x − k[g]), Σ(x − k[g])²)` over the tiles of `G` adjacent channels (the first
+/// `tile`, each whole rows of `tile.step = inner` elements, `LANES ≤ inner`), walked
+/// image by image: the `G` rows of an image are adjacent in memory, where a channel's
+/// rows are a plane apart (a walk channel by channel read 16 rows a plane apart for
+/// each 7x7 channel of a 16-image batch, and the caches' prefetchers did not keep up).
+/// Each channel sums into one pair of `U` vectors, its row's whole vectors in order and
+/// then the row's last `LANES` elements with the lanes before its tail zeroed (an
+/// overlapping load: no partial load a row), so a channel's bits do not depend on `G`
+/// or on the channels beside it. A lane adds at most `2·TILE / LANES` values.
+#[inline(always)]
+fn group_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
+    s: S,
+    x: &[T],
+    tile: Tile,
+    k: [U; G],
+) -> [(f64, f64); G] {
+    let inner = tile.step;
+    let (vectors, tail) = (inner / S::LANES, inner % S::LANES);
+    // The whole rows of the group in every image lie in `x` (one check for the loop).
+    assert!(
+        S::LANES <= inner
+            && tile.count > 0
+            && tile.start + (tile.count - 1) * tile.stride + G * inner <= x.len()
+    );
+    // (Loops, not `array::from_fn`: see `channel_rows_in` on closures.)
+    let keep = s.lanes_between(S::LANES - tail, S::LANES);
+    let zero = s.splat(U::ZERO);
+    let mut kv = [zero; G];
+    for g in 0..G {
+        kv[g] = s.splat(k[g]);
+    }
+    let (mut a, mut b, mut a2, mut b2) = ([zero; G], [zero; G], [zero; G], [zero; G]);
+    let base = x.as_ptr().wrapping_add(tile.start);
+    for r in 0..tile.count {
+        let row = base.wrapping_add(r * tile.stride);
+        for g in 0..G {
+            let p = row.wrapping_add(g * inner);
+            let (mut sa, mut sb, mut ta, mut tb) = (a[g], b[g], a2[g], b2[g]);
+            for j in 0..vectors / 2 {
+                // SAFETY: `j·LANES + LANES ≤ inner` elements of row `r` of channel
+                // `g`, which the assertion above puts inside `x`.
+                let d = s.sub(
+                    unsafe { s.load_ptr(p.wrapping_add(2 * j * S::LANES)) },
+                    kv[g],
+                );
+                let e = s.sub(
+                    unsafe { s.load_ptr(p.wrapping_add((2 * j + 1) * S::LANES)) },
+                    kv[g],
+                );
+                sa = s.add(sa, d);
+                sb = s.mul_add(d, d, sb);
+                ta = s.add(ta, e);
+                tb = s.mul_add(e, e, tb);
+            }
+            if vectors % 2 == 1 {
+                let d = s.sub(
+                    unsafe { s.load_ptr(p.wrapping_add((vectors - 1) * S::LANES)) },
+                    kv[g],
+                );
+                sa = s.add(sa, d);
+                sb = s.mul_add(d, d, sb);
+            }
+            if tail > 0 {
+                // SAFETY: `inner − LANES ≥ 0` and the row is inside `x` (above).
+                let v = unsafe { s.load_ptr(p.wrapping_add(inner - S::LANES)) };
+                let d = s.mul(s.sub(v, kv[g]), keep);
+                ta = s.add(ta, d);
+                tb = s.mul_add(d, d, tb);
+            }
+            a[g] = sa;
+            b[g] = sb;
+            a2[g] = ta;
+            b2[g] = tb;
+        }
+    }
+    for g in 0..G {
+        a[g] = s.add(a[g], a2[g]);
+        b[g] = s.add(b[g], b2[g]);
+    }
+    let mut sums = [(0.0, 0.0); G];
+    for g in 0..G {
+        sums[g] = (s.sum_f64(a[g]), s.sum_f64(b[g]));
+    }
+    sums
 }
 
 /// Whether sums around a shift (`s1 = Σd`, `s2 = Σd²` over `n` values) are accurate:
@@ -1277,17 +1440,32 @@ mod tests {
         }
     }
 
-    /// Channels of one tile take the batched path (every shift first), which must give
-    /// `channel_rows_in`'s bits channel by channel — the resident passes use the latter
-    /// — on every ISA: rows shorter than a vector, with tails, 8x8 and 7x7 images, a
-    /// misleading head (the exact fallback), far-from-zero data, NaN and Inf.
+    /// Channels of one tile take the batched path (every shift first). Where their rows
+    /// are not summed by groups (shorter than a vector, or longer than
+    /// `GROUP_ROW_BYTES`), it must give `channel_rows_in`'s bits channel by channel: the
+    /// resident passes use the latter, and take rows of `RESIDENT_MIN_ROW_BYTES` and
+    /// more only (past `GROUP_ROW_BYTES`, checked at compile time). Rows summed by groups
+    /// (7x7, 8x8, 17 and 24 elements; groups of 4, 2 and 1 channels by ISA) must give
+    /// each channel the bits of the same channel after three other channels (another
+    /// place in another group, other neighbours), be within 1e-6 (mean) and 1e-5 (M2)
+    /// of the f64 two-pass moments, and take NaN and Inf channels the exact path as
+    /// `channel_rows_in` does (the same bits). Every ISA; a misleading head (the exact
+    /// fallback) and far-from-zero data.
     #[test]
     fn one_tile_channels_match_channel_rows_in_bit_for_bit() {
         for isa in Isa::supported() {
-            for (outer, c, inner) in [(2, 32, 64), (16, 5, 49), (3, 4, 3), (1, 7, 17), (4, 3, 200)]
-            {
+            for (outer, c, inner) in [
+                (2, 32, 64),
+                (16, 5, 49),
+                (16, 13, 49),
+                (3, 4, 3),
+                (1, 7, 17),
+                (5, 11, 24),
+                (4, 3, 200),
+            ] {
                 let g = Geometry::new(outer, c, inner);
                 assert_eq!(ChannelMajorSplit::new(&g).tasks(&g).len(), 1);
+                let grouped = inner * size_of::<f32>() <= super::GROUP_ROW_BYTES && inner > 3;
                 for case in 0..4 {
                     let x: Vec<f32> = (0..g.len())
                         .map(|i| {
@@ -1312,7 +1490,39 @@ mod tests {
                         },
                     );
                     let what = format!("{isa:?} {outer}x{c}x{inner} case {case}");
-                    assert_same_moments(&got, &want, &what);
+                    if !grouped {
+                        assert_same_moments(&got, &want, &what);
+                        continue;
+                    }
+                    // The same channels after three others (of other values): each in
+                    // another place in its group, beside other channels.
+                    let wider: Vec<f32> = (0..outer)
+                        .flat_map(|o| {
+                            let others = (0..3 * inner).map(move |i| (o * 31 + i) as f32 * 0.37);
+                            others.chain(x[o * c * inner..][..c * inner].iter().copied())
+                        })
+                        .collect();
+                    let shifted = channel_moments(&Geometry::new(outer, c + 3, inner), isa, &wider);
+                    for ch in 0..c {
+                        let what = format!("{what} channel {ch}");
+                        let v: Vec<f32> = (0..outer)
+                            .flat_map(|o| &x[(o * c + ch) * inner..][..inner])
+                            .copied()
+                            .collect();
+                        assert_same_moments(&got[ch..ch + 1], &shifted[ch + 3..ch + 4], &what);
+                        if v.iter().any(|v| !v.is_finite()) {
+                            assert_same_moments(&got[ch..ch + 1], &want[ch..ch + 1], &what);
+                            continue;
+                        }
+                        let r = exact(&v.iter().map(|&v| v as f64).collect::<Vec<_>>());
+                        let (m, sd) = (got[ch], (r.m2 / r.count).sqrt());
+                        assert_eq!(m.count, r.count, "{what}");
+                        assert!(
+                            (m.mean - r.mean).abs() <= 1e-6 * sd
+                                && (m.m2 - r.m2).abs() <= 1e-5 * r.m2,
+                            "{what}: {m:?} vs {r:?}"
+                        );
+                    }
                 }
             }
         }
