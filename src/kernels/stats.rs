@@ -295,7 +295,7 @@ fn single_tile_channels<U: Real, S: Simd<U>, T: Element<Stat = U>>(
         }
         return;
     }
-    // Wider groups where the ISA has the registers for their sums (two a channel).
+    // Wider groups where the ISA has the registers for their sums (four a channel).
     let (wide, mut c) = (S::LANES >= 16, 0);
     while c < count {
         let mut tile = first;
@@ -309,10 +309,10 @@ fn single_tile_channels<U: Real, S: Simd<U>, T: Element<Stat = U>>(
 }
 
 /// Rows of at most this many bytes are summed by groups of channels ([`group_sums`]).
-/// NCHW 16x2048x7x7 f32 `moments` (one thread, AVX-512, Zen 4): 215-260 us a channel
-/// at a time, its rows a plane apart, 121-150 us eight channels at a time, and a read
-/// of the same bytes in memory order 75-90 us. Rows of 14x14 f32 (784 bytes) gained
-/// nothing there.
+/// NCHW 16x2048x7x7 f32 `moments` (one thread, AVX-512, Zen 4): 205-210 us a channel
+/// at a time, its rows a plane apart, 157-160 us by groups (120-150 in a probe's loop
+/// of eight channels with no shifts to take), and a read of the same bytes in memory
+/// order 75-90 us. Rows of 14x14 f32 (784 bytes) gained nothing in that probe.
 const GROUP_ROW_BYTES: usize = 256;
 
 // The resident passes reduce a channel with `channel_rows_paced`, whose bits the
@@ -355,8 +355,10 @@ fn group_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
 /// image by image: the `G` rows of an image are adjacent in memory, where a channel's
 /// rows are a plane apart (a walk channel by channel read 16 rows a plane apart for
 /// each 7x7 channel of a 16-image batch, and the caches' prefetchers did not keep up).
-/// Each channel sums into one pair of `U` vectors, its row's whole vectors in order and
-/// then the row's last `LANES` elements with the lanes before its tail zeroed (an
+/// Each channel sums into two pairs of `U` vectors, its row's even whole vectors in
+/// the first and odd ones in the second (one pair had the AVX2 loop wait on its chain
+/// of additions: NCHW 16x512x7x7 f32 `moments` 41.5 us, two 37-38.5), then the row's
+/// last `LANES` elements with the lanes before its tail zeroed into the second (an
 /// overlapping load: no partial load a row), so a channel's bits do not depend on `G`
 /// or on the channels beside it. A lane adds at most `2·TILE / LANES` values.
 #[inline(always)]
@@ -405,6 +407,7 @@ fn group_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
                 tb = s.mul_add(e, e, tb);
             }
             if vectors % 2 == 1 {
+                // SAFETY: the row's last whole vector, inside `x` (above).
                 let d = s.sub(
                     unsafe { s.load_ptr(p.wrapping_add((vectors - 1) * S::LANES)) },
                     kv[g],
@@ -612,7 +615,8 @@ fn tile_moments<'a, U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     Moments::from_pivot(n, pivot.to_f64(), s1, s2)
 }
 
-/// Values whose mean is the shift of a channel-major task's first tile.
+/// Values whose mean is the shift of a channel-major task's first tile (rows summed by
+/// groups, [`group_moments`], take their first row's mean: at most 128 values).
 const PIVOT_VALUES: usize = 64;
 
 /// `Σx` over the pieces, in `U` lanes summed in `f64` (at most one tile: a lane adds
