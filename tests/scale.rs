@@ -671,15 +671,15 @@ fn images_at_different_levels_at_a_million_a_channel() {
 /// Images at different levels (image n offset by 3·n) through the resident
 /// channel-major passes, which write each channel's `y` while they reduce the next
 /// (`fused::RowsBehind`, paced between tiles): NCHW 16x4x64x64 (256 KB f32 channels,
-/// whole channels a task) and 64x2x64x64 (1 MB channels in two row chunks, shared by
-/// the threads where the pool has two: `fused::cooperative`), forward training and the Ex op with a side input
-/// and a ReLU, f32 and bf16, every ISA, against the f64 reference. A tile of two images
+/// whole channels a task) and 128x2x64x64 (2 MB f32 channels in two row chunks,
+/// shared by the threads where the pool has two: `fused::cooperative`), forward
+/// training and the Ex op with a side input and a ReLU, f32 and bf16, every ISA, against the f64 reference. A tile of two images
 /// is off the mean of the tiles before and is summed again around its own mean with
 /// the same pacer; `y` and the statistics are checked.
 #[test]
 fn images_at_different_levels_through_the_resident_passes() {
     let mut cases = Vec::new();
-    for shape in [[16, 64, 64, 4], [64, 64, 64, 2]] {
+    for shape in [[16, 64, 64, 4], [128, 64, 64, 2]] {
         for (op, ex) in [(Op::FusedBatchNormV3, false), (Op::FusedBatchNormEx, true)] {
             for isa in fusedbn::Isa::supported() {
                 for dtype in [DType::F32, DType::BF16] {

@@ -225,10 +225,15 @@ fn tile_moments_around<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
     k: Option<U>,
     pace: &mut P,
 ) -> Moments {
-    let first = k.map(|k| {
-        let (s1, s2) = deviation_sums(s, tile.pieces(x), k, pace);
-        (k, s1, s2)
-    });
+    // (A `match`, not `Option::map`: the closure would be compiled without the
+    // kernel's target features, with the main loop of `deviation_sums` in it.)
+    let first = match k {
+        Some(k) => {
+            let (s1, s2) = deviation_sums(s, tile.pieces(x), k, pace);
+            Some((k, s1, s2))
+        }
+        None => None,
+    };
     tile_moments_after(s, tile, x, first, pace)
 }
 
@@ -260,7 +265,8 @@ fn tile_moments_after<U: Real, S: Simd<U>, T: Element<Stat = U>, P: Pace<S>>(
 
 /// [`channel_rows_in`] for channels `c0..c1` whose rows `[o0, o1)` make one tile each
 /// (short rows: one tile per channel, as 7x7 or 8x8 images): the shifts of all the
-/// channels first, then their sums. Channel by channel, a channel's work was one chain
+/// channels (of a group, where rows are summed by groups) first, then their sums.
+/// Channel by channel, a channel's work was one chain
 /// of dependent steps (the shift's sum and division, then the sums around it, then the
 /// moments' divisions) and the next channel's could not start far enough ahead to hide
 /// it: NCHW 1x32x8x8 f32 took 2.0 us, 60 ns a channel of 64 values, and 0.9 us this way
@@ -324,7 +330,7 @@ const _: () = assert!(GROUP_ROW_BYTES < super::RESIDENT_MIN_ROW_BYTES);
 /// = tile.step` apart, into `out`; returns `G`. Each channel's shift is the mean of
 /// its first row (image), summed as [`group_sums`] sums; its moments are the sums of
 /// [`group_sums`] around it, or [`tile_moments_after`]'s where those are not well
-/// shifted (a non-finite shift gives NaN sums: the exact path).
+/// shifted (a non-finite shift gives non-finite sums: the exact path).
 #[inline(always)]
 fn group_moments<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
     s: S,
@@ -391,12 +397,14 @@ fn group_sums<U: Real, S: Simd<U>, T: Element<Stat = U>, const G: usize>(
             let p = row.wrapping_add(g * inner);
             let (mut sa, mut sb, mut ta, mut tb) = (a[g], b[g], a2[g], b2[g]);
             for j in 0..vectors / 2 {
-                // SAFETY: `j·LANES + LANES ≤ inner` elements of row `r` of channel
-                // `g`, which the assertion above puts inside `x`.
+                // SAFETY: both vectors end by `(2j + 2)·LANES ≤ vectors·LANES ≤ inner`
+                // elements into row `r` of channel `g`, which the assertion above puts
+                // inside `x`.
                 let d = s.sub(
                     unsafe { s.load_ptr(p.wrapping_add(2 * j * S::LANES)) },
                     kv[g],
                 );
+                // SAFETY: as just above (the pair's second vector).
                 let e = s.sub(
                     unsafe { s.load_ptr(p.wrapping_add((2 * j + 1) * S::LANES)) },
                     kv[g],
@@ -1407,7 +1415,7 @@ const MERGE_PARALLEL: usize = 1 << 13;
 #[cfg(test)]
 mod tests {
     use super::{channel_moments, channel_rows_in, Moments};
-    use crate::element::Element;
+    use crate::element::{Element, Real};
     use crate::kernels::simd::{Dispatch, Isa, Kernel, Simd};
     use crate::kernels::{ChannelMajorSplit, Geometry};
 
@@ -1444,92 +1452,115 @@ mod tests {
         }
     }
 
-    /// Channels of one tile take the batched path (every shift first). Where their rows
-    /// are not summed by groups (shorter than a vector, or longer than
-    /// `GROUP_ROW_BYTES`), it must give `channel_rows_in`'s bits channel by channel: the
-    /// resident passes use the latter, and take rows of `RESIDENT_MIN_ROW_BYTES` and
-    /// more only (past `GROUP_ROW_BYTES`, checked at compile time). Rows summed by groups
-    /// (7x7, 8x8, 17 and 24 elements; groups of 4, 2 and 1 channels by ISA) must give
-    /// each channel the bits of the same channel after three other channels (another
-    /// place in another group, other neighbours), be within 1e-6 (mean) and 1e-5 (M2)
-    /// of the f64 two-pass moments, and take NaN and Inf channels the exact path as
-    /// `channel_rows_in` does (the same bits). Every ISA; a misleading head (the exact
-    /// fallback) and far-from-zero data.
+    /// Channels of one tile take the batched path. Where their rows are not summed by
+    /// groups (shorter than a vector of the ISA, or longer than `GROUP_ROW_BYTES`), it
+    /// must give `channel_rows_in`'s bits channel by channel: the resident passes use
+    /// the latter, and take rows of `RESIDENT_MIN_ROW_BYTES` and more only (past
+    /// `GROUP_ROW_BYTES`, checked at compile time). Rows summed by groups (7x7, 8x8,
+    /// rows of exactly a vector, 12, 17 and 24 elements: whole vectors with and without
+    /// a tail, groups of 4, 2 and 1 channels by ISA) must give each channel the bits of
+    /// the same channel after three other channels (another place in another group,
+    /// other neighbours), be within 1e-6 of a std (mean) and 1e-5 (M2) of the f64
+    /// two-pass moments of its values, and take NaN and Inf channels the exact path
+    /// as `channel_rows_in` does (the same bits), among them an Inf in a later row
+    /// where the row's tail vector zeroes its lane (Inf·0) while its whole vector sums
+    /// it. f32, bf16 and f16; every ISA; a misleading head (the exact fallback) and
+    /// far-from-zero data.
     #[test]
     fn one_tile_channels_match_channel_rows_in_bit_for_bit() {
-        for isa in Isa::supported() {
-            for (outer, c, inner) in [
-                (2, 32, 64),
-                (16, 5, 49),
-                (16, 13, 49),
-                (3, 4, 3),
-                (1, 7, 17),
-                (5, 11, 24),
-                (4, 3, 200),
-            ] {
-                let g = Geometry::new(outer, c, inner);
-                assert_eq!(ChannelMajorSplit::new(&g).tasks(&g).len(), 1);
-                let grouped = inner * size_of::<f32>() <= super::GROUP_ROW_BYTES && inner > 3;
-                for case in 0..4 {
-                    let x: Vec<f32> = (0..g.len())
-                        .map(|i| {
-                            let v = (i * 7919 % 1013) as f32 / 1013.0 - 0.5;
-                            let ch = i / inner % c;
-                            match (case, ch) {
-                                (1, _) => 3.0e4 + v,
-                                (2, 1) if i % inner < 8 && i < c * inner => 1000.0,
-                                (3, 2) if i % 5 == 0 => f32::NAN,
-                                (3, 0) if i % 7 == 0 => f32::INFINITY,
-                                _ => v,
-                            }
-                        })
-                        .collect();
-                    let got = channel_moments(&g, isa, &x);
-                    let want = f32::dispatch(
-                        isa,
-                        ByChannel {
-                            g: &g,
-                            x: &x,
-                            rows: (0, outer),
-                        },
-                    );
-                    let what = format!("{isa:?} {outer}x{c}x{inner} case {case}");
-                    if !grouped {
-                        assert_same_moments(&got, &want, &what);
-                        continue;
-                    }
-                    // The same channels after three others (of other values): each in
-                    // another place in its group, beside other channels.
-                    let wider: Vec<f32> = (0..outer)
-                        .flat_map(|o| {
-                            let others = (0..3 * inner).map(move |i| (o * 31 + i) as f32 * 0.37);
-                            others.chain(x[o * c * inner..][..c * inner].iter().copied())
-                        })
-                        .collect();
-                    let shifted = channel_moments(&Geometry::new(outer, c + 3, inner), isa, &wider);
-                    for ch in 0..c {
-                        let what = format!("{what} channel {ch}");
-                        let v: Vec<f32> = (0..outer)
-                            .flat_map(|o| &x[(o * c + ch) * inner..][..inner])
-                            .copied()
+        fn check<T: Element>() {
+            let lanes = |isa: Isa| if isa == Isa::Avx512 { 16 } else { 8 };
+            let size = size_of::<T>();
+            for isa in Isa::supported() {
+                for (outer, c, inner) in [
+                    (2, 32, 64),
+                    (16, 5, 49),
+                    (16, 13, 49),
+                    (3, 4, 3),
+                    (3, 6, 8),
+                    (4, 5, 16),
+                    (3, 5, 12),
+                    (1, 7, 17),
+                    (5, 11, 24),
+                    (4, 3, 200),
+                ] {
+                    let g = Geometry::new(outer, c, inner);
+                    assert_eq!(ChannelMajorSplit::new(&g).tasks(&g).len(), 1);
+                    let grouped = inner * size <= super::GROUP_ROW_BYTES && inner >= lanes(isa);
+                    for case in 0..5 {
+                        let x: Vec<T> = (0..g.len())
+                            .map(|i| {
+                                let v = (i * 7919 % 1013) as f64 / 1013.0 - 0.5;
+                                let (o, ch, at) = (i / (c * inner), i / inner % c, i % inner);
+                                let v = match (case, ch) {
+                                    (1, _) => 3.0e4 + 100.0 * v,
+                                    (2, 1) if at < 8 && o == 0 => 1000.0,
+                                    (3, 2) if i % 5 == 0 => f64::NAN,
+                                    (3, 0) if i % 7 == 0 => f64::INFINITY,
+                                    // Row 1, second-last element: inside the last whole
+                                    // vector and under the tail vector's zeroed lanes.
+                                    (4, 3) if o == 1 && at + 2 == inner => f64::INFINITY,
+                                    _ => v,
+                                };
+                                T::narrow(<T::Stat as Real>::from_f64(v))
+                            })
                             .collect();
-                        assert_same_moments(&got[ch..ch + 1], &shifted[ch + 3..ch + 4], &what);
-                        if v.iter().any(|v| !v.is_finite()) {
-                            assert_same_moments(&got[ch..ch + 1], &want[ch..ch + 1], &what);
+                        let got = channel_moments(&g, isa, &x);
+                        let want = T::Stat::dispatch(
+                            isa,
+                            ByChannel {
+                                g: &g,
+                                x: &x,
+                                rows: (0, outer),
+                            },
+                        );
+                        let what =
+                            format!("{:?} {isa:?} {outer}x{c}x{inner} case {case}", T::DTYPE);
+                        if !grouped {
+                            assert_same_moments(&got, &want, &what);
                             continue;
                         }
-                        let r = exact(&v.iter().map(|&v| v as f64).collect::<Vec<_>>());
-                        let (m, sd) = (got[ch], (r.m2 / r.count).sqrt());
-                        assert_eq!(m.count, r.count, "{what}");
-                        assert!(
-                            (m.mean - r.mean).abs() <= 1e-6 * sd
-                                && (m.m2 - r.m2).abs() <= 1e-5 * r.m2,
-                            "{what}: {m:?} vs {r:?}"
-                        );
+                        // The same channels after three others (of other values): each
+                        // in another place in its group, beside other channels.
+                        let wider: Vec<T> = (0..outer)
+                            .flat_map(|o| {
+                                let others = (0..3 * inner).map(move |i| {
+                                    T::narrow(<T::Stat as Real>::from_f64(
+                                        (o * 31 + i) as f64 * 0.37,
+                                    ))
+                                });
+                                others.chain(x[o * c * inner..][..c * inner].iter().copied())
+                            })
+                            .collect();
+                        let shifted =
+                            channel_moments(&Geometry::new(outer, c + 3, inner), isa, &wider);
+                        for ch in 0..c {
+                            let what = format!("{what} channel {ch}");
+                            let v: Vec<f64> = (0..outer)
+                                .flat_map(|o| &x[(o * c + ch) * inner..][..inner])
+                                .map(|v| v.widen().to_f64())
+                                .collect();
+                            assert_same_moments(&got[ch..ch + 1], &shifted[ch + 3..ch + 4], &what);
+                            if v.iter().any(|v| !v.is_finite()) {
+                                assert_same_moments(&got[ch..ch + 1], &want[ch..ch + 1], &what);
+                                continue;
+                            }
+                            let (m, r) = (got[ch], exact(&v));
+                            let sd = (r.m2 / r.count).sqrt();
+                            assert_eq!(m.count, r.count, "{what}");
+                            assert!(
+                                (m.mean - r.mean).abs() <= 1e-6 * sd
+                                    && (m.m2 - r.m2).abs() <= 1e-5 * r.m2,
+                                "{what}: {m:?} vs {r:?}"
+                            );
+                        }
                     }
                 }
             }
         }
+        check::<f32>();
+        check::<half::bf16>();
+        check::<half::f16>();
     }
 
     /// Past [`ARENA_MIN_BYTES`](crate::kernels::ARENA_MIN_BYTES) of moments a task (C
